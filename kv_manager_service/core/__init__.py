@@ -1,0 +1,72 @@
+"""The pure core: block pool, prefix cache, hybrid groups, fork and copy-on-write.
+
+It does no I/O and imports nothing from grpc, redis or torch: the edges (the
+gRPC server, the Redis mirror) drive it and drain its queues.
+"""
+
+from kv_manager_service.core.config import GroupKind, GroupSpec, KVCacheConfig
+from kv_manager_service.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCacheError,
+    OutOfRangeError,
+    RequestExistsError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+)
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.core.hashing import BlockHash, BlockHasher, HashAlgorithm, LoraRef, MMFeature
+from kv_manager_service.core.manager import KVCacheManager
+from kv_manager_service.core.ops import (
+    AllocateOp,
+    AllocateResult,
+    AllocateStatus,
+    BlockCopy,
+    BlockTable,
+    CacheHit,
+    ForkOp,
+    ForkResult,
+    FreeOp,
+    FreeResult,
+    GroupAllocation,
+    PendingCopy,
+    Stats,
+    StepResult,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "AllocateOp",
+    "AllocateResult",
+    "AllocateStatus",
+    "BlockCopy",
+    "BlockHash",
+    "BlockHasher",
+    "BlockRemoved",
+    "BlockStored",
+    "BlockTable",
+    "CacheHit",
+    "FailedPreconditionError",
+    "ForkOp",
+    "ForkResult",
+    "FreeOp",
+    "FreeResult",
+    "GroupAllocation",
+    "GroupKind",
+    "GroupSpec",
+    "HashAlgorithm",
+    "InvalidArgumentError",
+    "KVCacheConfig",
+    "KVCacheError",
+    "KVCacheManager",
+    "KVEvent",
+    "LoraRef",
+    "MMFeature",
+    "OutOfRangeError",
+    "PendingCopy",
+    "RequestExistsError",
+    "RequestNotFoundError",
+    "ResourceExhaustedError",
+    "Stats",
+    "StepResult",
+]

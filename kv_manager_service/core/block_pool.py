@@ -1,0 +1,155 @@
+"""The pool of physical blocks: allocation, reference counts and the prefix cache."""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.core.hashing import BlockHash
+
+
+class BlockPool:
+    """Owns every block, the free queue and the hash -> block map of each group.
+
+    Block 0 is the null block: a placeholder for table slots a group will never
+    read. It is never in the free queue, never cached and never freed, and its
+    ref count is not maintained.
+
+    The free queue is the eviction policy. Fresh blocks are popped from the
+    head. When a batch of blocks is freed, those reaching ref count 0 without a
+    hash go to the head together (reused first, they can never produce a hit);
+    those with a hash are appended together at the tail (LRU), each group
+    keeping the batch order. A cached free block stays findable until it is
+    popped for reuse: only then does it lose its hash (lazy eviction).
+    """
+
+    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool, enable_events: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        # NOTE: the map does not de-duplicate. Two requests that computed the
+        # same block each keep their own copy, because block tables are
+        # append-only: a block id handed to a worker never changes. So a hash
+        # maps to one block or, rarely, to a dict of blocks keyed by id.
+        self.cached: list[dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)
+        ]
+        self.events: list[KVEvent] = []
+        self.num_evictions = 0
+
+    # -- queries ---------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of allocatable blocks (the null block excluded) in use."""
+        return 1.0 - self.free_queue.num_free_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, group_id: int, block_hash: BlockHash) -> KVCacheBlock | None:
+        entry = self.cached[group_id].get(block_hash)
+        if entry is None or isinstance(entry, KVCacheBlock):
+            return entry
+        return next(iter(entry.values()))
+
+    # -- mutations -------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the head of the free queue, ref count 1 each.
+
+        A popped block that still carries a hash is evicted from the cache now.
+        """
+        blocks = self.free_queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def cache_full_blocks(
+        self,
+        group_id: int,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        block_size: int,
+    ) -> None:
+        """Enter full, uncached, non-null `blocks` into the cache of `group_id`."""
+        cached = self.cached[group_id]
+        for block, block_hash in zip(blocks, block_hashes):
+            assert block.block_hash is None and not block.is_null, block
+            block.block_hash = block_hash
+            block.group_id = group_id
+            entry = cached.get(block_hash)
+            if entry is None:
+                cached[block_hash] = block
+            elif isinstance(entry, KVCacheBlock):
+                cached[block_hash] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
+        if self.enable_events:
+            self.events.append(BlockStored(group_id, tuple(block_hashes), parent_block_hash, block_size))
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block, rescuing free (cached) ones from the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> int:
+        """Drop one reference on each block of one batch; returns how many reached 0.
+
+        Null blocks are skipped. See the class docstring for where freed blocks go.
+        """
+        to_head: list[KVCacheBlock] = []
+        to_tail: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                (to_head if block.block_hash is None else to_tail).append(block)
+        self.free_queue.prepend_n(to_head)
+        self.free_queue.append_n(to_tail)
+        return len(to_head) + len(to_tail)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use."""
+        if self.free_queue.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.group_id = -1
+        for cached in self.cached:
+            cached.clear()
+        if self.enable_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        block_hash, group_id = block.block_hash, block.group_id
+        cached = self.cached[group_id]
+        entry = cached[block_hash]
+        if isinstance(entry, KVCacheBlock):
+            del cached[block_hash]
+        else:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                cached[block_hash] = next(iter(entry.values()))
+        block.block_hash = None
+        block.group_id = -1
+        self.num_evictions += 1
+        if self.enable_events:
+            self.events.append(BlockRemoved(group_id, (block_hash,)))

@@ -1,0 +1,114 @@
+"""The validated configuration of one KV-cache pool."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from kv_manager_service.core.hashing import HashAlgorithm
+
+
+class GroupKind(str, enum.Enum):
+    FULL_ATTENTION = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    CHUNKED_LOCAL = "chunked_local"
+    MAMBA = "mamba"
+    CROSS_ATTENTION = "cross_attention"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV-cache group: the layers that share an attention kind and block size."""
+
+    kind: GroupKind
+    block_size: int = 16
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", GroupKind(self.kind))
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                raise ValueError(f"sliding_window must be an integer >= 1 for a sliding_window group, got {self.sliding_window!r}")
+        if self.kind is GroupKind.CHUNKED_LOCAL:
+            if not isinstance(self.chunk_size, int) or self.chunk_size < 1 or self.chunk_size % self.block_size:
+                raise ValueError(
+                    f"chunk_size must be a positive multiple of block_size ({self.block_size}) "
+                    f"for a chunked_local group, got {self.chunk_size!r}"
+                )
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether the group's blocks can enter the prefix cache."""
+        return self.kind is not GroupKind.CROSS_ATTENTION
+
+
+DEFAULT_GROUPS = (GroupSpec(GroupKind.FULL_ATTENTION, 16),)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Everything the core needs to know about one pool; checked on construction.
+
+    `max_model_len` caps a request's tokens (lookahead included);
+    `max_num_requests` caps live requests. `enable_events` makes the pool
+    queue cache events for a consumer that drains them with `take_events()`.
+    """
+
+    num_blocks: int
+    groups: tuple[GroupSpec, ...] = DEFAULT_GROUPS
+    enable_prefix_caching: bool = True
+    hash_algorithm: HashAlgorithm = HashAlgorithm.SHA256_CBOR
+    hash_seed: str | None = None
+    enable_events: bool = False
+    max_model_len: int = 1 << 20
+    max_num_requests: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {self.num_blocks!r}")
+        groups = tuple(g if isinstance(g, GroupSpec) else GroupSpec(**g) for g in self.groups)
+        if not groups:
+            raise ValueError("groups must list at least one KV-cache group")
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "hash_algorithm", HashAlgorithm(self.hash_algorithm))
+        if self.hash_algorithm is HashAlgorithm.XXH3_128 and not self.hash_seed:
+            raise ValueError("hash_algorithm xxh3_128 needs a secret hash_seed")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_requests < 1:
+            raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
+
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per hash: the gcd of the cacheable groups' block sizes."""
+        sizes = [g.block_size for g in self.groups if g.cacheable] or [g.block_size for g in self.groups]
+        return math.gcd(*sizes)
+
+    @property
+    def lcm_block_size(self) -> int:
+        """Cache hits are reported on multiples of this: the lcm of the cacheable block sizes."""
+        sizes = [g.block_size for g in self.groups if g.cacheable] or [self.hash_block_size]
+        return math.lcm(*sizes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KVCacheConfig":
+        """Build from a parsed YAML/JSON mapping; unknown keys are an error."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; known keys are {sorted(known)}")
+        values = dict(data)
+        if "groups" in values:
+            groups = []
+            for i, g in enumerate(values["groups"]):
+                try:
+                    groups.append(GroupSpec(**g))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"groups[{i}]: {e}") from e
+            values["groups"] = tuple(groups)
+        return cls(**values)

@@ -1,0 +1,26 @@
+"""Full attention: every token reads every earlier token, so nothing is recycled."""
+
+from __future__ import annotations
+
+from kv_manager_service.core.block_queue import KVCacheBlock
+from kv_manager_service.core.groups.base import GroupManager
+from kv_manager_service.core.hashing import BlockHash
+
+
+class FullAttentionManager(GroupManager):
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int, alignment: int) -> list[KVCacheBlock]:
+        """Cached blocks from the start, up to the first miss.
+
+        A full-attention hit is downward closed: any prefix of a hit is a hit.
+        """
+        cached = self.pool.cached[self.group_id]
+        k = self.hashes_per_block
+        hits: list[KVCacheBlock] = []
+        for i in range(k - 1, (max_length // self.block_size) * k, k):
+            entry = cached.get(block_hashes[i])
+            if entry is None:
+                break
+            hits.append(entry if isinstance(entry, KVCacheBlock) else next(iter(entry.values())))
+        blocks_per_alignment = max(alignment // self.block_size, 1)
+        del hits[len(hits) - len(hits) % blocks_per_alignment :]
+        return hits

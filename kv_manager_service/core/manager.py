@@ -1,0 +1,593 @@
+"""The manager facade: the scheduler-facing semantics of the whole core.
+
+The scheduler does not track computed tokens; the manager does. Every
+accepted call takes the next step id, which is what workers follow; a step is
+validated whole before anything changes, so an invalid op changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Sequence
+
+from kv_manager_service.core.block_pool import BlockPool
+from kv_manager_service.core.block_queue import KVCacheBlock
+from kv_manager_service.core.config import KVCacheConfig
+from kv_manager_service.core.coordinator import KVCacheCoordinator
+from kv_manager_service.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OutOfRangeError,
+    RequestExistsError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+)
+from kv_manager_service.core.events import KVEvent
+from kv_manager_service.core.groups import cdiv, make_group_manager
+from kv_manager_service.core.groups.cross_attention import CrossAttentionManager
+from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, BlockHasher, HashExtras, LoraRef, MMFeature
+from kv_manager_service.core.ops import (
+    AllocateOp,
+    AllocateResult,
+    AllocateStatus,
+    BlockCopy,
+    BlockTable,
+    CacheHit,
+    ForkOp,
+    ForkResult,
+    FreeOp,
+    FreeResult,
+    GroupAllocation,
+    Op,
+    OpResult,
+    PendingCopy,
+    Stats,
+    StepResult,
+)
+from kv_manager_service.core.request import RequestState
+
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
+class KVCacheManager:
+    """Block tables, prefix caching, fork and copy-on-write over one pool."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.enable_caching = config.enable_prefix_caching
+        self.hash_block_size = config.hash_block_size
+        self.pool = BlockPool(config.num_blocks, len(config.groups), self.enable_caching, config.enable_events)
+        self.managers = [
+            make_group_manager(group_id, spec, self.pool, self.hash_block_size)
+            for group_id, spec in enumerate(config.groups)
+        ]
+        self.coordinator = KVCacheCoordinator(self.managers, config.lcm_block_size)
+        self.hasher = BlockHasher(self.hash_block_size, config.hash_algorithm, config.hash_seed)
+        self.requests: dict[str, RequestState] = {}
+        self.last_step_id = 0
+        # Copies not yet acknowledged, in step order. Each retains both ends:
+        # one reference on src and one on dst, counted in `_retained`.
+        self._pending_copies: deque[tuple[int, KVCacheBlock, KVCacheBlock]] = deque()
+        self._retained: dict[KVCacheBlock, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._recycling = [m for m in self.managers if m.recycles]
+        self._cow_managers = [m for m in self.managers if not isinstance(m, CrossAttentionManager)]
+        self._no_groups: tuple[GroupAllocation, ...] = ()
+
+    # -- the scheduler's calls ---------------------------------------------------
+
+    def allocate(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+        cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+        mm_features: Sequence[MMFeature] = (),
+        skip_prefix_cache: bool = False,
+    ) -> AllocateResult:
+        """One allocate op as a step of its own. See `AllocateOp` and `step`."""
+        op = AllocateOp(
+            request_id,
+            new_token_ids,
+            num_new_tokens,
+            num_lookahead_tokens,
+            num_encoder_tokens,
+            cache_salt,
+            lora,
+            tuple(mm_features),
+            skip_prefix_cache,
+        )
+        return self.step((op,)).results[0]
+
+    def free(self, request_ids: Sequence[str]) -> FreeResult:
+        return self.step((FreeOp(request_ids),)).results[0]
+
+    def fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> ForkResult:
+        return self.step((ForkOp(parent_request_id, child_request_ids),)).results[0]
+
+    def step(self, ops: Sequence[Op]) -> StepResult:
+        """Apply `ops` in order as one step, atomically with respect to bad input.
+
+        Every op is validated first (at most one op per request id, fork
+        parent and children included); any invalid op raises and nothing
+        changes. `NO_SPACE` is a per-op result, not an error.
+        """
+        self._validate_step(ops)
+        self.last_step_id += 1
+        step_id = self.last_step_id
+        results: list[OpResult] = []
+        for op in ops:
+            if type(op) is AllocateOp:
+                request = self.requests.get(op.request_id)
+                if request is None:
+                    results.append(self._admit(op, step_id))
+                else:
+                    results.append(self._continue(request, op, step_id))
+            elif type(op) is FreeOp:
+                results.append(FreeResult(self._free(op.request_ids), step_id))
+            else:
+                self._fork(op.parent_request_id, op.child_request_ids)
+                results.append(ForkResult(step_id))
+        return StepResult(step_id, tuple(results))
+
+    def ack(self, step_id: int) -> int:
+        """The workers finished every step up to `step_id`: release its copies.
+
+        Returns the number of copies released. Acknowledging an old step again
+        is a no-op; a step that was never issued is `OutOfRangeError`.
+        """
+        if not isinstance(step_id, int) or step_id < 0:
+            raise InvalidArgumentError(f"step_id must be an integer >= 0, got {step_id!r}", "step_id")
+        if step_id > self.last_step_id:
+            raise OutOfRangeError(f"step_id {step_id} was never issued (last is {self.last_step_id})", "step_id")
+        num_released = 0
+        pending = self._pending_copies
+        while pending and pending[0][0] <= step_id:
+            _, src, dst = pending.popleft()
+            for block in (src, dst):
+                count = self._retained[block] - 1
+                if count:
+                    self._retained[block] = count
+                else:
+                    del self._retained[block]
+            self.pool.free_blocks((src, dst))
+            num_released += 1
+        return num_released
+
+    # -- queries -----------------------------------------------------------------
+
+    def find_cache_hit(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+        mm_features: Sequence[MMFeature] = (),
+    ) -> CacheHit:
+        """Exactly the hit a first `allocate` of `token_ids` would adopt now. Changes nothing."""
+        self._check_token_ids(token_ids, "token_ids")
+        self._check_mm_features(tuple(mm_features), len(token_ids))
+        if not self.enable_caching or not token_ids:
+            return CacheHit(0, tuple(() for _ in self.managers))
+        extras = _extras(cache_salt, lora, tuple(mm_features))
+        block_hashes = self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(block_hashes, len(token_ids) - 1)
+        return CacheHit(num_hit_tokens, tuple(tuple(b.block_id for b in blocks) for blocks in hits))
+
+    def block_table(self, request_id: str) -> BlockTable:
+        request = self._get(request_id, "request_id")
+        return BlockTable(
+            request_id,
+            request.num_computed_tokens,
+            tuple(tuple(b.block_id for b in table) for table in request.tables),
+        )
+
+    def pending_copies(self) -> list[PendingCopy]:
+        return [PendingCopy(s, BlockCopy(src.block_id, dst.block_id)) for s, src, dst in self._pending_copies]
+
+    def stats(self) -> Stats:
+        return Stats(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.get_num_free_blocks(),
+            usage=self.pool.get_usage(),
+            num_requests=len(self.requests),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_evictions=self.pool.num_evictions,
+            num_pending_copies=len(self._pending_copies),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the whole prefix cache. Refused (False) while any block is held."""
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the queued cache events, oldest first."""
+        return self.pool.take_events()
+
+    # -- validation: raises, never mutates ---------------------------------------
+
+    def _validate_step(self, ops: Sequence[Op]) -> None:
+        seen: set[str] = set()
+        num_new_requests = 0
+        for index, op in enumerate(ops):
+            kind = type(op)
+            if kind is AllocateOp:
+                ids: Iterable[str] = (op.request_id,)
+                num_new_requests += self._validate_allocate(op)
+            elif kind is FreeOp:
+                ids = op.request_ids
+                if not ids:
+                    raise InvalidArgumentError("free needs at least one request id", f"ops[{index}].request_ids")
+                for request_id in ids:
+                    self._get(request_id, f"ops[{index}].request_ids")
+            elif kind is ForkOp:
+                ids = (op.parent_request_id, *op.child_request_ids)
+                num_new_requests += self._validate_fork(op)
+            else:
+                raise InvalidArgumentError(f"unknown op type {kind.__name__}", f"ops[{index}]")
+            for request_id in ids:
+                if request_id in seen:
+                    raise InvalidArgumentError(
+                        f"request id {request_id!r} appears in more than one op of the step", f"ops[{index}]"
+                    )
+                seen.add(request_id)
+        if num_new_requests and len(self.requests) + num_new_requests > self.config.max_num_requests:
+            raise ResourceExhaustedError(
+                f"the step would make {len(self.requests) + num_new_requests} live requests; "
+                f"the limit max_num_requests is {self.config.max_num_requests}",
+                "ops",
+            )
+
+    def _validate_allocate(self, op: AllocateOp) -> int:
+        """Checks one allocate op; returns 1 if it admits a new request, else 0."""
+        if not isinstance(op.request_id, str) or not op.request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string", "request_id")
+        if not isinstance(op.num_new_tokens, int) or op.num_new_tokens < 1:
+            raise InvalidArgumentError(f"num_new_tokens must be >= 1, got {op.num_new_tokens!r}", "num_new_tokens")
+        if not isinstance(op.num_lookahead_tokens, int) or op.num_lookahead_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_lookahead_tokens must be >= 0, got {op.num_lookahead_tokens!r}", "num_lookahead_tokens"
+            )
+        if not isinstance(op.num_encoder_tokens, int) or op.num_encoder_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_encoder_tokens must be >= 0, got {op.num_encoder_tokens!r}", "num_encoder_tokens"
+            )
+        token_ids = op.token_ids
+        self._check_token_ids(token_ids, "token_ids")
+        request = self.requests.get(op.request_id)
+        if request is None:
+            if not token_ids:
+                raise InvalidArgumentError(
+                    f"the first allocate of request {op.request_id!r} must carry its prompt in token_ids", "token_ids"
+                )
+            self._check_length(op, len(token_ids))
+            self._check_mm_features(op.mm_features, len(token_ids))
+            return 1
+        num_tokens = request.num_tokens + len(token_ids)
+        if num_tokens == request.num_computed_tokens:
+            raise FailedPreconditionError(
+                f"request {op.request_id!r} has no tokens left to compute: all {num_tokens} are computed; "
+                "append the sampled token in token_ids",
+                "token_ids",
+            )
+        self._check_length(op, num_tokens)
+        extras = request.extras
+        if (
+            (op.cache_salt and op.cache_salt != extras.cache_salt)
+            or (op.lora is not None and op.lora != extras.lora)
+            or (op.mm_features and tuple(op.mm_features) != extras.mm_features)
+            or (op.num_encoder_tokens and op.num_encoder_tokens != request.num_encoder_tokens)
+        ):
+            raise InvalidArgumentError(
+                f"cache_salt, lora, mm_features and num_encoder_tokens are fixed by the first allocate of "
+                f"request {op.request_id!r}; a continuation may not change them",
+                "cache_salt",
+            )
+        return 0
+
+    def _check_length(self, op: AllocateOp, num_tokens: int) -> None:
+        limit = self.config.max_model_len
+        if num_tokens + op.num_lookahead_tokens > limit:
+            raise InvalidArgumentError(
+                f"request {op.request_id!r} would hold {num_tokens} tokens plus {op.num_lookahead_tokens} "
+                f"lookahead tokens; the limit max_model_len is {limit}",
+                "token_ids",
+            )
+
+    @staticmethod
+    def _check_token_ids(token_ids: Sequence[int], field: str) -> None:
+        if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+            raise InvalidArgumentError(f"{field} must lie in 0..{MAX_TOKEN_ID}", field)
+
+    @staticmethod
+    def _check_mm_features(mm_features: tuple[MMFeature, ...], num_prompt_tokens: int) -> None:
+        for i, mm in enumerate(mm_features):
+            if not mm.identifier or mm.offset < 0 or mm.length < 1 or mm.offset + mm.length > num_prompt_tokens:
+                raise InvalidArgumentError(
+                    f"mm_features[{i}] must have an identifier and lie inside the {num_prompt_tokens}-token prompt "
+                    f"(offset >= 0, length >= 1), got offset {mm.offset} length {mm.length}",
+                    f"mm_features[{i}]",
+                )
+
+    def _validate_fork(self, op: ForkOp) -> int:
+        self._get(op.parent_request_id, "parent_request_id")
+        children = op.child_request_ids
+        if not children:
+            raise InvalidArgumentError("fork needs at least one child request id", "child_request_ids")
+        for child_id in children:
+            if not isinstance(child_id, str) or not child_id:
+                raise InvalidArgumentError("child request ids must be non-empty strings", "child_request_ids")
+            if child_id in self.requests:
+                raise RequestExistsError(f"request {child_id!r} already exists", "child_request_ids")
+        return len(children)
+
+    def _get(self, request_id: str, field: str) -> RequestState:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise RequestNotFoundError(f"unknown request id {request_id!r}", field)
+        return request
+
+    # -- application: input already validated ------------------------------------
+
+    def _admit(self, op: AllocateOp, step_id: int) -> AllocateResult:
+        """First allocate: look up the prefix cache, adopt the hit, allocate the rest.
+
+            |<-- hit (adopted) -->|<-- scheduled -->|<- lookahead ->|
+            0                 computed                           need_slots
+        """
+        token_ids = op.token_ids
+        num_tokens = len(token_ids)
+        extras = _extras(op.cache_salt, op.lora, op.mm_features)
+        managers = self.managers
+        if self.enable_caching:
+            block_hashes = self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
+        else:
+            block_hashes = []
+        if self.enable_caching and not op.skip_prefix_cache:
+            hits, num_computed = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
+        else:
+            hits, num_computed = [[] for _ in managers], 0
+        num_scheduled = min(op.num_new_tokens, num_tokens - num_computed)
+        need_slots = num_computed + num_scheduled + op.num_lookahead_tokens
+
+        num_needed = 0
+        for manager, hit in zip(managers, hits):
+            num_needed += max(0, manager.num_required_blocks(need_slots, op.num_encoder_tokens) - len(hit))
+            # A hit block still in the free queue leaves it when adopted.
+            num_needed += sum(1 for block in hit if block.ref_cnt == 0 and not block.is_null)
+        if num_needed > self.pool.get_num_free_blocks():
+            return AllocateResult(AllocateStatus.NO_SPACE, 0, 0, self._no_groups, (), step_id)
+
+        tables = []
+        groups = []
+        for manager, hit in zip(managers, hits):
+            self.pool.touch(hit)
+            num_new = max(0, manager.num_required_blocks(need_slots, op.num_encoder_tokens) - len(hit))
+            new_blocks = self.pool.get_new_blocks(num_new) if num_new else []
+            tables.append(hit + new_blocks)
+            groups.append(
+                GroupAllocation(
+                    manager.group_id,
+                    tuple(b.block_id for b in hit),
+                    tuple(b.block_id for b in new_blocks),
+                    len(hit),
+                )
+            )
+        num_cached_blocks = [
+            manager.cache_blocks(table, block_hashes, len(hit), num_computed + num_scheduled)
+            for manager, table, hit in zip(managers, tables, hits)
+        ]
+        num_hashed = len(block_hashes) * self.hash_block_size
+        self.requests[op.request_id] = RequestState(
+            op.request_id,
+            num_tokens,
+            num_computed + num_scheduled,
+            op.num_encoder_tokens,
+            extras,
+            block_hashes,
+            list(token_ids[num_hashed:]) if self.enable_caching else [],
+            tables,
+            num_cached_blocks,
+        )
+        if self.enable_caching and not op.skip_prefix_cache:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_computed
+        return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), (), step_id)
+
+    def _continue(self, request: RequestState, op: AllocateOp, step_id: int) -> AllocateResult:
+        """A later allocate: append the new tokens, recycle, copy-on-write, allocate.
+
+        Blocks the request will never read again are recycled first, even if
+        the call then ends in NO_SPACE (they are gone either way).
+        """
+        num_computed = request.num_computed_tokens
+        for manager in self._recycling:
+            manager.remove_skipped_blocks(request.tables[manager.group_id], num_computed)
+        num_tokens = request.num_tokens + len(op.token_ids)
+        num_scheduled = min(op.num_new_tokens, num_tokens - num_computed)
+        need_slots = num_computed + num_scheduled + op.num_lookahead_tokens
+
+        # Blocks that this step writes and another live table also holds.
+        shared: list[tuple[int, int]] = []
+        num_needed = 0
+        for manager in self._cow_managers:
+            table = request.tables[manager.group_id]
+            first = num_computed // manager.block_size
+            last = min(len(table), cdiv(need_slots, manager.block_size))
+            for index in range(first, last):
+                block = table[index]
+                if block.ref_cnt > 1 and block.ref_cnt - self._retained.get(block, 0) > 1:
+                    shared.append((manager.group_id, index))
+        num_needed = len(shared)
+        for manager in self.managers:
+            required = manager.num_required_blocks(need_slots, request.num_encoder_tokens)
+            num_needed += max(0, required - len(request.tables[manager.group_id]))
+        if num_needed > self.pool.get_num_free_blocks():
+            return AllocateResult(AllocateStatus.NO_SPACE, num_computed, 0, self._no_groups, (), step_id)
+
+        request.num_tokens = num_tokens
+        if self.enable_caching and op.token_ids:
+            self._append_hashes(request, op.token_ids)
+
+        copies = []
+        first_changed = [len(table) for table in request.tables]
+        for group_id, index in shared:
+            table = request.tables[group_id]
+            src = table[index]
+            dst = self.pool.get_new_blocks(1)[0]
+            table[index] = dst
+            if index * self.managers[group_id].block_size < num_computed:
+                # src keeps its table reference as the copy's retention.
+                self._retain(src)
+                self._retain(dst)
+                self._pending_copies.append((step_id, src, dst))
+                copies.append(BlockCopy(src.block_id, dst.block_id))
+            else:
+                self.pool.free_blocks((src,))  # nothing computed in it: no copy needed
+            first_changed[group_id] = min(first_changed[group_id], index)
+
+        groups = []
+        num_cached_blocks = request.num_cached_blocks
+        block_hashes = request.block_hashes
+        num_committed = num_computed + num_scheduled
+        for manager in self.managers:
+            group_id = manager.group_id
+            table = request.tables[group_id]
+            num_new = manager.num_required_blocks(need_slots, request.num_encoder_tokens) - len(table)
+            if num_new > 0:
+                table.extend(self.pool.get_new_blocks(num_new))
+            start = first_changed[group_id]
+            groups.append(GroupAllocation(group_id, (), tuple(b.block_id for b in table[start:]), start))
+            if num_cached_blocks[group_id] < num_committed // manager.block_size:
+                num_cached_blocks[group_id] = manager.cache_blocks(
+                    table, block_hashes, num_cached_blocks[group_id], num_committed
+                )
+        request.num_computed_tokens = num_committed
+        return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), tuple(copies), step_id)
+
+    def _append_hashes(self, request: RequestState, token_ids: Sequence[int]) -> None:
+        """Extend the request's hash chain over newly full hash blocks."""
+        tail = request.tail_token_ids
+        tail.extend(token_ids)
+        if len(tail) < self.hash_block_size:
+            return
+        block_hashes = request.block_hashes
+        parent = block_hashes[-1] if block_hashes else self.hasher.root_hash
+        start = len(block_hashes) * self.hash_block_size
+        new_hashes = self.hasher.hash_blocks(parent, tail, start, request.extras)
+        block_hashes.extend(new_hashes)
+        del tail[: len(new_hashes) * self.hash_block_size]
+
+    def _retain(self, block: KVCacheBlock) -> None:
+        block.ref_cnt += 1
+        self._retained[block] = self._retained.get(block, 0) + 1
+
+    def _free(self, request_ids: Sequence[str]) -> int:
+        """Free requests in order; each group's table last-to-first as one batch."""
+        num_freed = 0
+        for request_id in request_ids:
+            request = self.requests.pop(request_id)
+            for table in request.tables:
+                num_freed += self.pool.free_blocks(reversed(table))
+        return num_freed
+
+    def _fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> None:
+        parent = self.requests[parent_request_id]
+        for child_id in child_request_ids:
+            child = parent.fork(child_id)
+            for table in child.tables:
+                for block in table:
+                    if not block.is_null:
+                        block.ref_cnt += 1
+            self.requests[child_id] = child
+
+    # -- invariants ----------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError, with the counts that disagree, if the state is corrupt.
+
+        For every block b != 0: ref_cnt == table slots holding b + copy
+        retentions; b is in the free queue iff ref_cnt == 0; a hashed block is
+        in its group's map, full, and named by the chain hash of every request
+        holding it at that index. free + used == num_blocks - 1. The null block
+        is never free nor cached. O(pool + tables): for tests.
+        """
+        pool = self.pool
+        null = pool.null_block
+        holders = [0] * pool.num_blocks
+        for request in self.requests.values():
+            assert 0 <= request.num_computed_tokens <= request.num_tokens, (
+                f"{request.request_id}: computed {request.num_computed_tokens} > tokens {request.num_tokens}"
+            )
+            if self.enable_caching:
+                assert len(request.block_hashes) == request.num_tokens // self.hash_block_size, (
+                    f"{request.request_id}: {len(request.block_hashes)} hashes for {request.num_tokens} tokens"
+                )
+                assert len(request.tail_token_ids) == request.num_tokens % self.hash_block_size
+            for manager, table in zip(self.managers, request.tables):
+                num_cached = request.num_cached_blocks[manager.group_id]
+                assert num_cached <= len(table)
+                k = manager.hashes_per_block
+                for index, block in enumerate(table):
+                    if block is null:
+                        continue
+                    holders[block.block_id] += 1
+                    if block.block_hash is not None:
+                        assert block.group_id == manager.group_id
+                        assert (index + 1) * manager.block_size <= request.num_computed_tokens, (
+                            f"block {block.block_id} is hashed but not full in {request.request_id}"
+                        )
+                        assert block.block_hash == request.block_hashes[(index + 1) * k - 1], (
+                            f"block {block.block_id} at index {index} of {request.request_id} has a foreign hash"
+                        )
+                for block in table[:num_cached]:
+                    assert block is null or block.block_hash is not None, (
+                        f"{request.request_id}: block {block.block_id} below the cached count has no hash"
+                    )
+        for block, count in self._retained.items():
+            holders[block.block_id] += count
+        assert sum(self._retained.values()) == 2 * len(self._pending_copies)
+
+        in_queue = set()
+        for block in pool.free_queue:
+            assert block.block_id not in in_queue, f"block {block.block_id} is twice in the free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == pool.free_queue.num_free_blocks, (
+            f"free queue holds {len(in_queue)} blocks but counts {pool.free_queue.num_free_blocks}"
+        )
+        assert null.block_id not in in_queue and null.block_hash is None, "the null block is free or cached"
+        num_used = 0
+        for block in pool.blocks[1:]:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders"
+            )
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free queue: {block.block_id in in_queue}"
+            )
+            num_used += block.ref_cnt > 0
+        assert num_used + len(in_queue) == pool.num_blocks - 1, (
+            f"used {num_used} + free {len(in_queue)} != {pool.num_blocks - 1}"
+        )
+        num_hashed = 0
+        for block in pool.blocks:
+            if block.block_hash is None:
+                continue
+            num_hashed += 1
+            entry = pool.cached[block.group_id].get(block.block_hash)
+            assert entry is block or (isinstance(entry, dict) and entry.get(block.block_id) is block), (
+                f"hashed block {block.block_id} is missing from the cache map"
+            )
+        num_entries = sum(
+            1 if isinstance(entry, KVCacheBlock) else len(entry) for cached in pool.cached for entry in cached.values()
+        )
+        assert num_entries == num_hashed, f"cache map has {num_entries} entries for {num_hashed} hashed blocks"
+
+
+def _extras(cache_salt: str | None, lora: LoraRef | None, mm_features: tuple[MMFeature, ...]) -> HashExtras:
+    if not cache_salt and lora is None and not mm_features:
+        return NO_EXTRAS
+    return HashExtras(lora, cache_salt or None, mm_features)

@@ -1,0 +1,121 @@
+"""Typed values at the scheduler boundary: the operations and their results."""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Sequence, Union
+
+from kv_manager_service.core.hashing import LoraRef, MMFeature
+
+
+class AllocateStatus(enum.IntEnum):
+    # Values match the wire enum `AllocateStatus` (0 is UNSPECIFIED there).
+    OK = 1
+    NO_SPACE = 2
+
+
+class BlockCopy(NamedTuple):
+    """Copy the KV of block `src_block_id` into `dst_block_id` before the step runs."""
+
+    src_block_id: int
+    dst_block_id: int
+
+
+class AllocateOp(NamedTuple):
+    """Schedule tokens of a request.
+
+    On the first call for `request_id`, `token_ids` is the prompt; on later
+    calls it holds only the tokens appended since (usually one sampled token).
+    `cache_salt`, `lora`, `mm_features` and `num_encoder_tokens` belong to the
+    first call; later calls may repeat them but not change them.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    num_new_tokens: int
+    num_lookahead_tokens: int = 0
+    num_encoder_tokens: int = 0
+    cache_salt: str | None = None
+    lora: LoraRef | None = None
+    mm_features: tuple[MMFeature, ...] = ()
+    skip_prefix_cache: bool = False
+
+
+class FreeOp(NamedTuple):
+    request_ids: Sequence[str]
+
+
+class ForkOp(NamedTuple):
+    parent_request_id: str
+    child_request_ids: Sequence[str]
+
+
+Op = Union[AllocateOp, FreeOp, ForkOp]
+
+
+class GroupAllocation(NamedTuple):
+    """How one group's table changed.
+
+    `hit_block_ids`: the adopted cache hit (first call only), null block (0)
+    where the group keeps no block. `new_block_ids`: the table from index
+    `new_block_index` on, after this step; normally the appended blocks, but it
+    starts earlier when a shared block was replaced by its copy.
+    """
+
+    group_id: int
+    hit_block_ids: tuple[int, ...]
+    new_block_ids: tuple[int, ...]
+    new_block_index: int
+
+
+class AllocateResult(NamedTuple):
+    status: AllocateStatus
+    num_computed_tokens: int  # where this step's tokens start
+    num_scheduled_tokens: int
+    groups: tuple[GroupAllocation, ...]
+    copies: tuple[BlockCopy, ...]
+    step_id: int
+
+
+class FreeResult(NamedTuple):
+    num_freed_blocks: int  # blocks whose ref count reached 0
+    step_id: int
+
+
+class ForkResult(NamedTuple):
+    step_id: int
+
+
+OpResult = Union[AllocateResult, FreeResult, ForkResult]
+
+
+class StepResult(NamedTuple):
+    step_id: int
+    results: tuple[OpResult, ...]
+
+
+class CacheHit(NamedTuple):
+    num_cached_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]  # per group, as `hit_block_ids`
+
+
+class BlockTable(NamedTuple):
+    request_id: str
+    num_computed_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]  # per group
+
+
+class PendingCopy(NamedTuple):
+    step_id: int
+    copy: BlockCopy
+
+
+class Stats(NamedTuple):
+    num_blocks: int
+    num_free_blocks: int  # in the free queue, cached-but-evictable included
+    usage: float
+    num_requests: int
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_evictions: int
+    num_pending_copies: int
