@@ -72,7 +72,10 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._recycling = [m for m in self.managers if m.recycles]
-        self._cow_managers = [m for m in self.managers if not isinstance(m, CrossAttentionManager)]
+        # (group id, block size, is cross-attention) per group, for the hot path.
+        self._group_layout = [
+            (m.group_id, m.block_size, isinstance(m, CrossAttentionManager)) for m in self.managers
+        ]
         self._no_groups: tuple[GroupAllocation, ...] = ()
 
     # -- the scheduler's calls ---------------------------------------------------
@@ -244,25 +247,24 @@ class KVCacheManager:
 
     def _validate_allocate(self, op: AllocateOp) -> int:
         """Checks one allocate op; returns 1 if it admits a new request, else 0."""
-        if not isinstance(op.request_id, str) or not op.request_id:
+        request_id, token_ids, num_new_tokens, num_lookahead_tokens, num_encoder_tokens = op[:5]
+        if type(request_id) is not str or not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string", "request_id")
-        if not isinstance(op.num_new_tokens, int) or op.num_new_tokens < 1:
-            raise InvalidArgumentError(f"num_new_tokens must be >= 1, got {op.num_new_tokens!r}", "num_new_tokens")
-        if not isinstance(op.num_lookahead_tokens, int) or op.num_lookahead_tokens < 0:
+        if type(num_new_tokens) is not int or num_new_tokens < 1:
+            raise InvalidArgumentError(f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens")
+        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
             raise InvalidArgumentError(
-                f"num_lookahead_tokens must be >= 0, got {op.num_lookahead_tokens!r}", "num_lookahead_tokens"
+                f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens!r}", "num_lookahead_tokens"
             )
-        if not isinstance(op.num_encoder_tokens, int) or op.num_encoder_tokens < 0:
-            raise InvalidArgumentError(
-                f"num_encoder_tokens must be >= 0, got {op.num_encoder_tokens!r}", "num_encoder_tokens"
-            )
-        token_ids = op.token_ids
-        self._check_token_ids(token_ids, "token_ids")
-        request = self.requests.get(op.request_id)
+        if type(num_encoder_tokens) is not int or num_encoder_tokens < 0:
+            raise InvalidArgumentError(f"num_encoder_tokens must be >= 0, got {num_encoder_tokens!r}", "num_encoder_tokens")
+        if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+            raise InvalidArgumentError(f"token_ids must lie in 0..{MAX_TOKEN_ID}", "token_ids")
+        request = self.requests.get(request_id)
         if request is None:
             if not token_ids:
                 raise InvalidArgumentError(
-                    f"the first allocate of request {op.request_id!r} must carry its prompt in token_ids", "token_ids"
+                    f"the first allocate of request {request_id!r} must carry its prompt in token_ids", "token_ids"
                 )
             self._check_length(op, len(token_ids))
             self._check_mm_features(op.mm_features, len(token_ids))
@@ -270,23 +272,25 @@ class KVCacheManager:
         num_tokens = request.num_tokens + len(token_ids)
         if num_tokens == request.num_computed_tokens:
             raise FailedPreconditionError(
-                f"request {op.request_id!r} has no tokens left to compute: all {num_tokens} are computed; "
+                f"request {request_id!r} has no tokens left to compute: all {num_tokens} are computed; "
                 "append the sampled token in token_ids",
                 "token_ids",
             )
-        self._check_length(op, num_tokens)
-        extras = request.extras
-        if (
-            (op.cache_salt and op.cache_salt != extras.cache_salt)
-            or (op.lora is not None and op.lora != extras.lora)
-            or (op.mm_features and tuple(op.mm_features) != extras.mm_features)
-            or (op.num_encoder_tokens and op.num_encoder_tokens != request.num_encoder_tokens)
-        ):
-            raise InvalidArgumentError(
-                f"cache_salt, lora, mm_features and num_encoder_tokens are fixed by the first allocate of "
-                f"request {op.request_id!r}; a continuation may not change them",
-                "cache_salt",
-            )
+        if num_tokens + num_lookahead_tokens > self.config.max_model_len:
+            self._check_length(op, num_tokens)
+        if op.cache_salt or op.lora is not None or op.mm_features or num_encoder_tokens:
+            extras = request.extras
+            if (
+                (op.cache_salt and op.cache_salt != extras.cache_salt)
+                or (op.lora is not None and op.lora != extras.lora)
+                or (op.mm_features and tuple(op.mm_features) != extras.mm_features)
+                or (num_encoder_tokens and num_encoder_tokens != request.num_encoder_tokens)
+            ):
+                raise InvalidArgumentError(
+                    f"cache_salt, lora, mm_features and num_encoder_tokens are fixed by the first allocate of "
+                    f"request {request_id!r}; a continuation may not change them",
+                    "cache_salt",
+                )
         return 0
 
     def _check_length(self, op: AllocateOp, num_tokens: int) -> None:
@@ -403,40 +407,53 @@ class KVCacheManager:
 
         Blocks the request will never read again are recycled first, even if
         the call then ends in NO_SPACE (they are gone either way).
+
+            |<-- computed -->|<-- scheduled -->|<- lookahead ->|
+            0            num_computed                     need_slots
+                             ^ writes start here: a block from here on that
+                               another live table holds is copied first
         """
+        tables = request.tables
         num_computed = request.num_computed_tokens
         for manager in self._recycling:
-            manager.remove_skipped_blocks(request.tables[manager.group_id], num_computed)
-        num_tokens = request.num_tokens + len(op.token_ids)
-        num_scheduled = min(op.num_new_tokens, num_tokens - num_computed)
+            manager.remove_skipped_blocks(tables[manager.group_id], num_computed)
+        token_ids = op.token_ids
+        num_tokens = request.num_tokens + len(token_ids)
+        num_scheduled = num_tokens - num_computed
+        if op.num_new_tokens < num_scheduled:
+            num_scheduled = op.num_new_tokens
         need_slots = num_computed + num_scheduled + op.num_lookahead_tokens
 
-        # Blocks that this step writes and another live table also holds.
+        # Blocks that this step writes and another live table also holds; a
+        # reference held only by a pending copy does not count.
         shared: list[tuple[int, int]] = []
         num_needed = 0
-        for manager in self._cow_managers:
-            table = request.tables[manager.group_id]
-            first = num_computed // manager.block_size
-            last = min(len(table), cdiv(need_slots, manager.block_size))
-            for index in range(first, last):
+        for group_id, block_size, is_cross in self._group_layout:
+            table = tables[group_id]
+            if is_cross:
+                num_needed += max(0, -(-request.num_encoder_tokens // block_size) - len(table))
+                continue
+            required = -(-need_slots // block_size)
+            for index in range(num_computed // block_size, min(len(table), required)):
                 block = table[index]
                 if block.ref_cnt > 1 and block.ref_cnt - self._retained.get(block, 0) > 1:
-                    shared.append((manager.group_id, index))
-        num_needed = len(shared)
-        for manager in self.managers:
-            required = manager.num_required_blocks(need_slots, request.num_encoder_tokens)
-            num_needed += max(0, required - len(request.tables[manager.group_id]))
-        if num_needed > self.pool.get_num_free_blocks():
+                    shared.append((group_id, index))
+            if required > len(table):
+                num_needed += required - len(table)
+        if num_needed + len(shared) > self.pool.free_queue.num_free_blocks:
             return AllocateResult(AllocateStatus.NO_SPACE, num_computed, 0, self._no_groups, (), step_id)
 
         request.num_tokens = num_tokens
-        if self.enable_caching and op.token_ids:
-            self._append_hashes(request, op.token_ids)
+        if token_ids and self.enable_caching:
+            tail = request.tail_token_ids
+            tail += token_ids
+            if len(tail) >= self.hash_block_size:
+                self._hash_tail(request)
 
         copies = []
-        first_changed = [len(table) for table in request.tables]
+        first_changed = [len(table) for table in tables]
         for group_id, index in shared:
-            table = request.tables[group_id]
+            table = tables[group_id]
             src = table[index]
             dst = self.pool.get_new_blocks(1)[0]
             table[index] = dst
@@ -448,38 +465,36 @@ class KVCacheManager:
                 copies.append(BlockCopy(src.block_id, dst.block_id))
             else:
                 self.pool.free_blocks((src,))  # nothing computed in it: no copy needed
-            first_changed[group_id] = min(first_changed[group_id], index)
+            if index < first_changed[group_id]:
+                first_changed[group_id] = index
 
         groups = []
-        num_cached_blocks = request.num_cached_blocks
-        block_hashes = request.block_hashes
         num_committed = num_computed + num_scheduled
+        num_cached_blocks = request.num_cached_blocks
         for manager in self.managers:
             group_id = manager.group_id
-            table = request.tables[group_id]
+            table = tables[group_id]
             num_new = manager.num_required_blocks(need_slots, request.num_encoder_tokens) - len(table)
             if num_new > 0:
-                table.extend(self.pool.get_new_blocks(num_new))
+                table += self.pool.get_new_blocks(num_new)
             start = first_changed[group_id]
-            groups.append(GroupAllocation(group_id, (), tuple(b.block_id for b in table[start:]), start))
+            changed = table[start:]
+            groups.append(GroupAllocation(group_id, (), tuple([b.block_id for b in changed]) if changed else (), start))
             if num_cached_blocks[group_id] < num_committed // manager.block_size:
                 num_cached_blocks[group_id] = manager.cache_blocks(
-                    table, block_hashes, num_cached_blocks[group_id], num_committed
+                    table, request.block_hashes, num_cached_blocks[group_id], num_committed
                 )
         request.num_computed_tokens = num_committed
         return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), tuple(copies), step_id)
 
-    def _append_hashes(self, request: RequestState, token_ids: Sequence[int]) -> None:
-        """Extend the request's hash chain over newly full hash blocks."""
+    def _hash_tail(self, request: RequestState) -> None:
+        """Extend the request's hash chain over the hash blocks its tail now fills."""
         tail = request.tail_token_ids
-        tail.extend(token_ids)
-        if len(tail) < self.hash_block_size:
-            return
         block_hashes = request.block_hashes
         parent = block_hashes[-1] if block_hashes else self.hasher.root_hash
         start = len(block_hashes) * self.hash_block_size
         new_hashes = self.hasher.hash_blocks(parent, tail, start, request.extras)
-        block_hashes.extend(new_hashes)
+        block_hashes += new_hashes
         del tail[: len(new_hashes) * self.hash_block_size]
 
     def _retain(self, block: KVCacheBlock) -> None:

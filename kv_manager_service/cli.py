@@ -1,0 +1,174 @@
+"""The `kv-manager` command line: every flag is parsed and validated here, once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
+
+# The trace ships in the repository's data/ folder, beside the package.
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> None:
+    """Flags that shape the pool; `build_config` turns them into a KVCacheConfig."""
+    group = parser.add_argument_group("pool")
+    group.add_argument(
+        "--config",
+        type=Path,
+        help="YAML or JSON file with num_blocks, groups ([{kind, block_size, sliding_window, chunk_size}]), "
+        "hashing and limits; flags override it",
+    )
+    group.add_argument("--num-blocks", type=int, help=f"blocks in the pool, null block included (default {default_num_blocks})")
+    group.add_argument(
+        "--block-size", type=int, help="tokens per block of a single full-attention group (default 16); "
+        "an error when --config lists groups"
+    )
+    group.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
+    group.add_argument(
+        "--hash-algorithm",
+        choices=[a.value for a in HashAlgorithm],
+        help="block hash (default sha256_cbor; xxh3_128 needs --hash-seed)",
+    )
+    group.add_argument("--hash-seed", help="seed of the root hash; the secret key of xxh3_128")
+    parser.set_defaults(default_num_blocks=default_num_blocks)
+
+
+def build_config(args: argparse.Namespace, **overrides: Any) -> KVCacheConfig:
+    """The one place where the config file, the flags and `overrides` meet."""
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        values = _load_config_file(args.config)
+    if args.block_size is not None:
+        if "groups" in values:
+            raise ValueError(f"--block-size defines a single full-attention group, but {args.config} lists groups")
+        values["groups"] = (GroupSpec(GroupKind.FULL_ATTENTION, args.block_size),)
+    if args.num_blocks is not None:
+        values["num_blocks"] = args.num_blocks
+    values.setdefault("num_blocks", args.default_num_blocks)
+    if args.no_prefix_caching:
+        values["enable_prefix_caching"] = False
+    if args.hash_algorithm is not None:
+        values["hash_algorithm"] = args.hash_algorithm
+    if args.hash_seed is not None:
+        values["hash_seed"] = args.hash_seed
+    values.update(overrides)
+    return KVCacheConfig.from_dict(values)
+
+
+def _load_config_file(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _scale(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv-manager", description="The KV-cache manager of an LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    replay = commands.add_parser(
+        "replay",
+        help="replay the Mooncake trace through the block manager and report hits, usage and speed",
+        description="Replays a Mooncake trace through the core with a continuous-batching scheduler "
+        "(chunked prefill, preemption on NO_SPACE). No model runs: only the block manager works.",
+    )
+    replay.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSON-lines trace (default: %(default)s)")
+    replay.add_argument("--requests", type=_positive_int, default=400, help="replay the first N requests (default %(default)s)")
+    replay.add_argument(
+        "--scale",
+        type=_scale,
+        default=1.0,
+        help="shrink every 512-token trace block to round(512 * SCALE) tokens, outputs likewise (default %(default)s)",
+    )
+    replay.add_argument("--token-budget", type=_positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
+    replay.add_argument("--max-running", type=_positive_int, default=256, help="requests running at once (default %(default)s)")
+    add_pool_flags(replay, default_num_blocks=100_000)
+    return parser
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from kv_manager_service.replay import ReplayConfig, ReplayProgress, replay
+    from kv_manager_service.workload import TokenExpander, load_trace
+
+    config = build_config(args)
+    if not args.trace.exists():
+        raise ValueError(f"trace file {args.trace} not found; pass --trace PATH")
+    records = load_trace(args.trace, limit=args.requests)
+    manager = KVCacheManager(config)
+    expander = TokenExpander(scale=args.scale)
+    replay_config = ReplayConfig(token_budget=args.token_budget, max_num_running=args.max_running, progress_every_steps=200)
+    block_size = config.groups[0].block_size
+    print(
+        f"Replaying {len(records)} requests of {args.trace.name} (scale {args.scale}) through a pool of "
+        f"{config.num_blocks} blocks x {block_size} tokens, prefix caching "
+        f"{'on' if config.enable_prefix_caching else 'off'}",
+        file=sys.stderr,
+    )
+
+    def show(p: ReplayProgress) -> None:
+        stats = manager.stats()
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        print(
+            f"  step {p.num_steps:>6}: {p.num_completed:>5}/{len(records)} done, {p.num_running:>3} running, "
+            f"usage {p.usage:6.1%}, prefix hits {hit_rate:6.1%}",
+            file=sys.stderr,
+        )
+
+    result = replay(manager, records, expander, replay_config, progress=show)
+    rows = [
+        ("requests completed", f"{result.num_completed} / {result.num_requests}"),
+        ("prompt tokens", f"{result.num_prompt_tokens:,}"),
+        ("output tokens", f"{result.num_output_tokens:,}"),
+        ("scheduler steps", f"{result.num_steps:,}"),
+        ("prefix-hit rate (tokens)", f"{result.prefix_hit_rate:.1%}"),
+        ("peak KV usage", f"{result.peak_usage:.1%}"),
+        ("preemptions", f"{result.num_preemptions}"),
+        ("evictions", f"{manager.stats().num_evictions:,}"),
+        ("wall time", f"{result.wall_s:.2f} s"),
+        ("requests per second", f"{result.requests_per_s:,.1f}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("\nReplay report")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "replay":
+            return run_replay(args)
+    except ValueError as e:
+        parser.exit(2, f"kv-manager: error: {e}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
