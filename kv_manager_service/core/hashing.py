@@ -31,20 +31,54 @@ BlockHash = NewType("BlockHash", bytes)
 
 ROOT_SEED = "vllm-none-hash"
 
-# Token ids below this are memoised; larger ones are encoded on the fly so a
-# hostile stream of huge ids cannot grow the table without bound.
-_MEMO_TOKEN_LIMIT = 1 << 18
+class _TokenEncodings:
+    """Canonical CBOR of each token id, memoised in a list indexed by the id.
 
+    Used by the pure-Python encoder only. Ids past the table are encoded on
+    the fly, so a hostile stream of huge ids cannot grow it. Ids must be >= 0.
+    """
 
-class _TokenEncodings(dict):
-    def __missing__(self, token_id: int) -> bytes:
-        encoded = cbor.encode_uint(token_id)
-        if token_id < _MEMO_TOKEN_LIMIT:
-            self[token_id] = encoded
+    SIZE = 1 << 18
+
+    def __init__(self) -> None:
+        self._table: list[bytes | None] = [None] * self.SIZE
+
+    def encode_all(self, token_ids: Sequence[int]) -> list[bytes]:
+        table = self._table
+        try:
+            encoded = list(map(table.__getitem__, token_ids))
+        except IndexError:
+            return [cbor.encode_uint(t) if t >= self.SIZE else table[t] or self._fill(t) for t in token_ids]
+        if None in encoded:
+            for token_id in set(token_ids):
+                if table[token_id] is None:
+                    self._fill(token_id)
+            encoded = list(map(table.__getitem__, token_ids))
+        return encoded
+
+    def _fill(self, token_id: int) -> bytes:
+        encoded = self._table[token_id] = cbor.encode_uint(token_id)
         return encoded
 
 
 _TOKEN_CBOR = _TokenEncodings()
+
+
+def encode_blocks_py(token_ids: Sequence[int], block_size: int, num_blocks: int, head: bytes, tail: bytes) -> list[bytes]:
+    """Per block: `head` + the CBOR of each of its token ids + `tail`."""
+    encoded = _TOKEN_CBOR.encode_all(token_ids[: num_blocks * block_size])
+    join = b"".join
+    return [head + join(encoded[i : i + block_size]) + tail for i in range(0, num_blocks * block_size, block_size)]
+
+
+try:
+    # The same function in C (setup.py builds it when a compiler is there):
+    # it reads the ints directly instead of touching one memoised bytes
+    # object per token, which misses the CPU caches once a whole vocabulary
+    # is memoised.
+    from kv_manager_service.core._token_cbor import encode_blocks
+except ImportError:  # pragma: no cover - exercised by the twin's own tests
+    encode_blocks = encode_blocks_py
 
 
 class HashAlgorithm(str, enum.Enum):
@@ -145,7 +179,8 @@ class BlockHasher:
 
         `token_ids[0]` sits at prompt position `start_token` (a multiple of
         `block_size`) and its block follows the block hashed as `parent`.
-        A trailing partial block is not hashed.
+        A trailing partial block is not hashed. Token ids must lie in
+        0..2**32-1 (the manager validates them).
         """
         block_size = self.block_size
         num_full = len(token_ids) // block_size
@@ -153,19 +188,17 @@ class BlockHasher:
             return []
         new = self._new
         head = self._head
-        tokens_head = self._tokens_head
-        join = b"".join
-        encoded = list(map(_TOKEN_CBOR.__getitem__, token_ids[: num_full * block_size]))
         hashes: list[BlockHash] = []
         append = hashes.append
         if extras.is_empty():
-            for i in range(0, num_full * block_size, block_size):
-                parent = new(head + parent + tokens_head + join(encoded[i : i + block_size]) + cbor.NULL).digest()
+            for body in encode_blocks(token_ids, block_size, num_full, self._tokens_head, cbor.NULL):
+                parent = new(head + parent + body).digest()
                 append(parent)
         else:
-            for i in range(0, num_full * block_size, block_size):
-                suffix = cbor.encode(block_extra_keys(extras, start_token + i, block_size))
-                parent = new(head + parent + tokens_head + join(encoded[i : i + block_size]) + suffix).digest()
+            bodies = encode_blocks(token_ids, block_size, num_full, self._tokens_head, b"")
+            for i, body in enumerate(bodies):
+                suffix = cbor.encode(block_extra_keys(extras, start_token + i * block_size, block_size))
+                parent = new(head + parent + body + suffix).digest()
                 append(parent)
         return hashes
 

@@ -7,6 +7,7 @@ validated whole before anything changes, so an invalid op changes nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from typing import Iterable, Sequence
 
@@ -258,8 +259,8 @@ class KVCacheManager:
             )
         if type(num_encoder_tokens) is not int or num_encoder_tokens < 0:
             raise InvalidArgumentError(f"num_encoder_tokens must be >= 0, got {num_encoder_tokens!r}", "num_encoder_tokens")
-        if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
-            raise InvalidArgumentError(f"token_ids must lie in 0..{MAX_TOKEN_ID}", "token_ids")
+        if token_ids:
+            self._check_token_ids(token_ids, "token_ids")
         request = self.requests.get(request_id)
         if request is None:
             if not token_ids:
@@ -304,8 +305,11 @@ class KVCacheManager:
 
     @staticmethod
     def _check_token_ids(token_ids: Sequence[int], field: str) -> None:
-        if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
-            raise InvalidArgumentError(f"{field} must lie in 0..{MAX_TOKEN_ID}", field)
+        """Token ids are integers in 0..2**32-1 (one C pass: array rejects the rest)."""
+        try:
+            array("I", token_ids)
+        except (OverflowError, TypeError, ValueError):
+            raise InvalidArgumentError(f"{field} must be integers in 0..{MAX_TOKEN_ID}", field) from None
 
     @staticmethod
     def _check_mm_features(mm_features: tuple[MMFeature, ...], num_prompt_tokens: int) -> None:
@@ -366,10 +370,13 @@ class KVCacheManager:
         if num_needed > self.pool.get_num_free_blocks():
             return AllocateResult(AllocateStatus.NO_SPACE, 0, 0, self._no_groups, (), step_id)
 
+        # Take every group's hit before popping any new block: a popped block
+        # could otherwise be another group's hit, still in the free queue.
+        for hit in hits:
+            self.pool.touch(hit)
         tables = []
         groups = []
         for manager, hit in zip(managers, hits):
-            self.pool.touch(hit)
             num_new = max(0, manager.num_required_blocks(need_slots, op.num_encoder_tokens) - len(hit))
             new_blocks = self.pool.get_new_blocks(num_new) if num_new else []
             tables.append(hit + new_blocks)
@@ -458,9 +465,12 @@ class KVCacheManager:
             dst = self.pool.get_new_blocks(1)[0]
             table[index] = dst
             if index * self.managers[group_id].block_size < num_computed:
-                # src keeps its table reference as the copy's retention.
-                self._retain(src)
-                self._retain(dst)
+                # The table's reference on src becomes the copy's retention;
+                # dst gets one more, so both outlive the request until acked.
+                retained = self._retained
+                retained[src] = retained.get(src, 0) + 1
+                retained[dst] = retained.get(dst, 0) + 1
+                dst.ref_cnt += 1
                 self._pending_copies.append((step_id, src, dst))
                 copies.append(BlockCopy(src.block_id, dst.block_id))
             else:
@@ -496,10 +506,6 @@ class KVCacheManager:
         new_hashes = self.hasher.hash_blocks(parent, tail, start, request.extras)
         block_hashes += new_hashes
         del tail[: len(new_hashes) * self.hash_block_size]
-
-    def _retain(self, block: KVCacheBlock) -> None:
-        block.ref_cnt += 1
-        self._retained[block] = self._retained.get(block, 0) + 1
 
     def _free(self, request_ids: Sequence[str]) -> int:
         """Free requests in order; each group's table last-to-first as one batch."""

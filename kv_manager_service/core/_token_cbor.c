@@ -1,0 +1,78 @@
+/* Canonical CBOR of token blocks: the one loop of block hashing that Python
+ * cannot do fast. encode_blocks(token_ids, block_size, num_blocks, head, tail)
+ * returns one bytes object per block: head + CBOR(token) for each token of the
+ * block + tail. Token ids must be ints in 0..2**32-1; anything else raises.
+ * The pure-Python twin is `hashing._encode_blocks_py`; tests compare them. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static Py_ssize_t put_token(unsigned char *out, uint32_t t) {
+    if (t < 24) { out[0] = (unsigned char)t; return 1; }
+    if (t < 0x100) { out[0] = 24; out[1] = (unsigned char)t; return 2; }
+    if (t < 0x10000) { out[0] = 25; out[1] = (unsigned char)(t >> 8); out[2] = (unsigned char)t; return 3; }
+    out[0] = 26;
+    out[1] = (unsigned char)(t >> 24); out[2] = (unsigned char)(t >> 16);
+    out[3] = (unsigned char)(t >> 8); out[4] = (unsigned char)t;
+    return 5;
+}
+
+static PyObject *encode_blocks(PyObject *self, PyObject *args) {
+    PyObject *tokens;
+    Py_ssize_t block_size, num_blocks;
+    Py_buffer head, tail;
+    if (!PyArg_ParseTuple(args, "Onny*y*", &tokens, &block_size, &num_blocks, &head, &tail)) return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    unsigned char *buffer = NULL;
+    seq = PySequence_Fast(tokens, "token_ids must be a sequence");
+    if (seq == NULL) goto done;
+    if (block_size < 1 || num_blocks < 0 || block_size * num_blocks > PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_ValueError, "block_size * num_blocks exceeds the number of tokens");
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    buffer = PyMem_Malloc(head.len + 5 * block_size + tail.len);
+    if (buffer == NULL) { PyErr_NoMemory(); goto done; }
+    memcpy(buffer, head.buf, head.len);
+    result = PyList_New(num_blocks);
+    if (result == NULL) goto done;
+    for (Py_ssize_t b = 0; b < num_blocks; b++) {
+        Py_ssize_t n = head.len;
+        for (Py_ssize_t i = b * block_size; i < (b + 1) * block_size; i++) {
+            PyObject *index = PyNumber_Index(items[i]); /* accepts any int-like */
+            if (index == NULL) goto fail;
+            unsigned long value = PyLong_AsUnsignedLong(index);
+            Py_DECREF(index);
+            if (value == (unsigned long)-1 && PyErr_Occurred()) goto fail;
+            if (value > 0xFFFFFFFFUL) {
+                PyErr_SetString(PyExc_OverflowError, "token id exceeds 2**32-1");
+                goto fail;
+            }
+            n += put_token(buffer + n, (uint32_t)value);
+        }
+        memcpy(buffer + n, tail.buf, tail.len);
+        PyObject *block = PyBytes_FromStringAndSize((const char *)buffer, n + tail.len);
+        if (block == NULL) goto fail;
+        PyList_SET_ITEM(result, b, block);
+    }
+    goto done;
+fail:
+    Py_CLEAR(result);
+done:
+    PyMem_Free(buffer);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&tail);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"encode_blocks", encode_blocks, METH_VARARGS, "head + CBOR(tokens) + tail, per block of token ids."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_token_cbor", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__token_cbor(void) { return PyModule_Create(&module); }
