@@ -1,10 +1,41 @@
-"""Builds the optional C encoder of token blocks; everything else is in pyproject.toml.
+"""Build steps that pyproject.toml cannot express.
 
-`optional=True`: without a C compiler the install still succeeds and block
-hashing uses its pure-Python twin (same bytes, slower).
+1. Generate the gRPC/protobuf modules from `proto/` into the `kvcache`
+   package (a build artifact, never edited by hand, not in git).
+2. Build the optional C encoder of token blocks. `optional=True`: without a
+   C compiler the install still succeeds and block hashing uses its
+   pure-Python twin (same bytes, slower).
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+ROOT = Path(__file__).resolve().parent
+
+
+def generate_protos() -> None:
+    import grpc_tools
+    from grpc_tools import protoc
+
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    for proto in sorted((ROOT / "proto").rglob("*.proto")):
+        args = [
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"-I{include}",
+            f"--python_out={ROOT}",
+            f"--pyi_out={ROOT}",
+            f"--grpc_python_out={ROOT}",
+            str(proto),
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed on {proto}")
+    for package in {p.parent for p in (ROOT / "kvcache").rglob("*_pb2.py")} | {ROOT / "kvcache"}:
+        (package / "__init__.py").touch()
+
+
+generate_protos()
 
 setup(
     ext_modules=[

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -108,7 +110,46 @@ def make_parser() -> argparse.ArgumentParser:
     replay.add_argument("--token-budget", type=_positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
     replay.add_argument("--max-running", type=_positive_int, default=256, help="requests running at once (default %(default)s)")
     add_pool_flags(replay, default_num_blocks=100_000)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve KVManagerService over gRPC",
+        description="Serves one pool over gRPC (kvcache.v1.KVManagerService, with health checking and "
+        "reflection). Prints 'KV manager listening on HOST:PORT' when ready; SIGTERM shuts it down gracefully.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    serve.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default %(default)s)")
+    serve.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name (default: the host name)")
+    serve.add_argument("--max-workers", type=_positive_int, default=32, help="RPC threads; each open stream holds one (default %(default)s)")
+    serve.add_argument(
+        "--max-tokens-per-call", type=_positive_int, default=1 << 20, help="token ids in one call (default %(default)s)"
+    )
+    serve.add_argument("--max-ops-per-step", type=_positive_int, default=1 << 16, help="ops in one Step (default %(default)s)")
+    serve.add_argument(
+        "--max-message-bytes", type=_positive_int, default=64 << 20, help="largest gRPC message (default %(default)s)"
+    )
+    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
+    add_pool_flags(serve, default_num_blocks=16_384)
     return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kv_manager_service.server import ServerOptions, serve
+    from kv_manager_service.service import ServiceLimits
+
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    config = build_config(args)
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        replica_id=args.replica_id,
+        max_workers=args.max_workers,
+        max_message_bytes=args.max_message_bytes,
+        limits=ServiceLimits(max_tokens_per_call=args.max_tokens_per_call, max_ops_per_step=args.max_ops_per_step),
+    )
+    return serve(config, options)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -165,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "replay":
             return run_replay(args)
+        if args.command == "serve":
+            return run_serve(args)
     except ValueError as e:
         parser.exit(2, f"kv-manager: error: {e}\n")
     return 1

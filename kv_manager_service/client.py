@@ -1,0 +1,248 @@
+"""`KVManagerClient`: the Python client of `KVManagerService`, with typed results.
+
+Every call has a deadline. Reads (GetConfig, FindCacheHit, GetBlockTables,
+GetStats) are retried on UNAVAILABLE with backoff; mutations never are,
+since a lost response does not tell whether the step was applied. A caller
+mistake raises the core's typed error (`RequestNotFoundError`, ...), decoded
+from the status' ErrorInfo, so code written against the in-process core and
+against the service handles errors the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
+
+import grpc
+
+from kv_manager_service import convert
+from kv_manager_service.core import (
+    AllocateOp,
+    AllocateResult,
+    AllocateStatus,
+    BlockCopy,
+    BlockTable,
+    CacheHit,
+    ForkResult,
+    FreeResult,
+    LoraRef,
+    MMFeature,
+    PendingCopy,
+    Stats,
+    StepResult,
+)
+from kv_manager_service.core import errors as core_errors
+from kv_manager_service.core.ops import Op
+from kv_manager_service.status import ERROR_DOMAIN, error_info
+from kvcache.v1 import kv_manager_pb2 as pb
+from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+Response = TypeVar("Response")
+
+_ERRORS_BY_REASON = {
+    cls.reason: cls
+    for cls in (
+        core_errors.InvalidArgumentError,
+        core_errors.RequestNotFoundError,
+        core_errors.RequestExistsError,
+        core_errors.FailedPreconditionError,
+        core_errors.ResourceExhaustedError,
+        core_errors.OutOfRangeError,
+    )
+}
+
+
+class DecodeTableChange(NamedTuple):
+    op_index: int
+    group_id: int
+    new_block_index: int
+    new_block_ids: tuple[int, ...]
+
+
+class DecodeStepResult(NamedTuple):
+    """A columnar decode step: index i belongs to request_ids[i]."""
+
+    step_id: int
+    statuses: tuple[AllocateStatus, ...]
+    num_computed_tokens: tuple[int, ...]
+    changes: tuple[DecodeTableChange, ...]
+    copies: tuple[BlockCopy, ...]
+
+
+class BlockTables(NamedTuple):
+    tables: tuple[BlockTable, ...]
+    pending_copies: tuple[PendingCopy, ...]
+    step_id: int  # the last step these tables reflect
+
+
+class ReplicaHit(NamedTuple):
+    replica_id: str
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    first_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+
+class KVManagerClient:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 10.0,
+        read_retry: RetryPolicy = RetryPolicy(),
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.read_retry = read_retry
+        self.channel = channel or grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        )
+        self.stub = pb_grpc.KVManagerServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "KVManagerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    # -- mutations: never retried ----------------------------------------------------
+
+    def allocate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+        cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+        mm_features: Sequence[MMFeature] = (),
+        skip_prefix_cache: bool = False,
+    ) -> AllocateResult:
+        op = AllocateOp(
+            request_id, token_ids, num_new_tokens, num_lookahead_tokens, num_encoder_tokens,
+            cache_salt, lora, tuple(mm_features), skip_prefix_cache,
+        )
+        return convert.allocate_result(self._call(self.stub.Allocate, convert.allocate_request(op)))
+
+    def free(self, request_ids: Sequence[str]) -> FreeResult:
+        response = self._call(self.stub.Free, pb.FreeRequest(request_ids=request_ids))
+        return FreeResult(response.num_freed_blocks, response.step_id)
+
+    def fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> ForkResult:
+        request = pb.ForkRequest(parent_request_id=parent_request_id, child_request_ids=child_request_ids)
+        return ForkResult(self._call(self.stub.Fork, request).step_id)
+
+    def step(self, ops: Sequence[Op]) -> StepResult:
+        response = self._call(self.stub.Step, pb.StepRequest(ops=[convert.step_op(op) for op in ops]))
+        return StepResult(response.step_id, tuple(convert.op_result(r) for r in response.results))
+
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeStepResult:
+        """One step in which request_ids[i] appends token_ids[i] and computes it (the columnar fast path)."""
+        response = self._call(
+            self.stub.Step, pb.StepRequest(decode=pb.DecodeBatch(request_ids=request_ids, token_ids=token_ids))
+        )
+        decode = response.decode
+        return DecodeStepResult(
+            response.step_id,
+            tuple(AllocateStatus(s) for s in decode.statuses),
+            tuple(decode.num_computed_tokens),
+            tuple(
+                DecodeTableChange(c.op_index, c.group_id, c.new_block_index, tuple(c.new_block_ids))
+                for c in decode.changes
+            ),
+            tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in decode.copies),
+        )
+
+    def ack_steps(self, worker_id: str, step_id: int) -> None:
+        self._call(self.stub.AckSteps, pb.AckStepsRequest(worker_id=worker_id, step_id=step_id))
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call(self.stub.ResetPrefixCache, pb.ResetPrefixCacheRequest()).ok
+
+    # -- reads: retried ------------------------------------------------------------
+
+    def get_config(self) -> pb.GetConfigResponse:
+        return self._read(self.stub.GetConfig, pb.GetConfigRequest())
+
+    def find_cache_hit(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+        mm_features: Sequence[MMFeature] = (),
+        cluster: bool = False,
+    ) -> tuple[CacheHit, tuple[ReplicaHit, ...]]:
+        request = pb.FindCacheHitRequest(
+            token_ids=token_ids,
+            cache_salt=cache_salt or "",
+            lora_name=lora.name if lora else "",
+            lora_path=lora.path if lora else "",
+            mm_features=[pb.MMFeature(identifier=m.identifier, offset=m.offset, length=m.length) for m in mm_features],
+            cluster=cluster,
+        )
+        response = self._read(self.stub.FindCacheHit, request)
+        hit = CacheHit(response.num_cached_tokens, tuple(tuple(g.block_ids) for g in response.groups))
+        return hit, tuple(ReplicaHit(r.replica_id, r.num_cached_tokens) for r in response.replicas)
+
+    def block_tables(self, request_ids: Sequence[str] = ()) -> BlockTables:
+        response = self._read(self.stub.GetBlockTables, pb.GetBlockTablesRequest(request_ids=request_ids))
+        return BlockTables(
+            tuple(convert.block_table_from(t) for t in response.tables),
+            tuple(
+                PendingCopy(p.step_id, BlockCopy(p.copy.src_block_id, p.copy.dst_block_id))
+                for p in response.pending_copies
+            ),
+            response.step_id,
+        )
+
+    def stats(self) -> Stats:
+        return convert.stats_from(self._read(self.stub.GetStats, pb.GetStatsRequest()))
+
+    # -- streams -------------------------------------------------------------------
+
+    def watch_steps(self, worker_id: str, from_step_id: int = 0) -> Iterator[pb.StepDelta]:
+        """Step deltas from `from_step_id` on; cancel with `.cancel()` on the returned iterator."""
+        return self.stub.WatchSteps(pb.WatchStepsRequest(worker_id=worker_id, from_step_id=from_step_id))
+
+    def watch_events(self, from_sequence: int = 0) -> Iterator[pb.KVEvent]:
+        return self.stub.WatchEvents(pb.WatchEventsRequest(from_sequence=from_sequence))
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., Response], request: object) -> Response:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise _typed_error(error) from error
+
+    def _read(self, method: Callable[..., Response], request: object) -> Response:
+        backoff = self.read_retry.first_backoff_s
+        for attempt in range(self.read_retry.attempts):
+            try:
+                return method(request, timeout=self.timeout_s)
+            except grpc.RpcError as error:
+                if error.code() is not grpc.StatusCode.UNAVAILABLE or attempt + 1 == self.read_retry.attempts:
+                    raise _typed_error(error) from error
+            time.sleep(backoff)
+            backoff = min(backoff * 2, self.read_retry.max_backoff_s)
+        raise AssertionError("unreachable")
+
+
+def _typed_error(error: grpc.RpcError) -> Exception:
+    """The core's typed error for a caller mistake; the RpcError itself otherwise."""
+    info = error_info(error) if isinstance(error, grpc.Call) else None
+    if info is not None and info.domain == ERROR_DOMAIN and info.reason in _ERRORS_BY_REASON:
+        return _ERRORS_BY_REASON[info.reason](error.details(), info.metadata.get("field") or None)
+    return error

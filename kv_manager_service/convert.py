@@ -1,0 +1,261 @@
+"""Translation between `kvcache.v1` messages and core types; nothing else."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kv_manager_service.core import (
+    AllocateOp,
+    AllocateResult,
+    AllocateStatus,
+    BlockCopy,
+    BlockTable,
+    ForkOp,
+    ForkResult,
+    FreeOp,
+    FreeResult,
+    GroupAllocation,
+    GroupKind,
+    InvalidArgumentError,
+    KVCacheConfig,
+    LoraRef,
+    MMFeature,
+    Stats,
+)
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.core.ops import Op, OpResult
+from kvcache.v1 import kv_manager_pb2 as pb
+
+GROUP_KINDS = {
+    GroupKind.FULL_ATTENTION: pb.GROUP_KIND_FULL_ATTENTION,
+    GroupKind.SLIDING_WINDOW: pb.GROUP_KIND_SLIDING_WINDOW,
+    GroupKind.CHUNKED_LOCAL: pb.GROUP_KIND_CHUNKED_LOCAL,
+    GroupKind.MAMBA: pb.GROUP_KIND_MAMBA,
+    GroupKind.CROSS_ATTENTION: pb.GROUP_KIND_CROSS_ATTENTION,
+}
+
+
+# -- requests -> core ------------------------------------------------------------
+
+
+def lora(name: str, path: str, field: str = "lora_name") -> LoraRef | None:
+    if not name:
+        if path:
+            raise InvalidArgumentError("lora_path is set but lora_name is empty", field)
+        return None
+    return LoraRef(name, path)
+
+
+def mm_features(messages: Sequence[pb.MMFeature]) -> tuple[MMFeature, ...]:
+    return tuple(MMFeature(m.identifier, m.offset, m.length) for m in messages)
+
+
+def allocate_op(message: pb.AllocateRequest) -> AllocateOp:
+    return AllocateOp(
+        message.request_id,
+        list(message.token_ids),
+        message.num_new_tokens,
+        message.num_lookahead_tokens,
+        message.num_encoder_tokens,
+        message.cache_salt or None,
+        lora(message.lora_name, message.lora_path),
+        mm_features(message.mm_features),
+        message.skip_prefix_cache,
+    )
+
+
+def free_op(message: pb.FreeRequest) -> FreeOp:
+    return FreeOp(list(message.request_ids))
+
+
+def fork_op(message: pb.ForkRequest) -> ForkOp:
+    return ForkOp(message.parent_request_id, list(message.child_request_ids))
+
+
+def step_ops(message: pb.StepRequest) -> list[Op]:
+    """The ops of a Step: nested ops first, then the decode batch's, in order."""
+    ops: list[Op] = []
+    for index, op in enumerate(message.ops):
+        kind = op.WhichOneof("op")
+        if kind == "allocate":
+            ops.append(allocate_op(op.allocate))
+        elif kind == "free":
+            ops.append(free_op(op.free))
+        elif kind == "fork":
+            ops.append(fork_op(op.fork))
+        else:
+            raise InvalidArgumentError(f"ops[{index}] sets none of allocate, free, fork", f"ops[{index}]")
+    decode = message.decode
+    request_ids = decode.request_ids
+    token_ids = decode.token_ids
+    if len(request_ids) != len(token_ids):
+        raise InvalidArgumentError(
+            f"decode has {len(request_ids)} request_ids but {len(token_ids)} token_ids; they must pair up",
+            "decode.token_ids",
+        )
+    ops.extend([AllocateOp(request_id, [token_id], 1) for request_id, token_id in zip(request_ids, token_ids)])
+    return ops
+
+
+# -- core -> responses -----------------------------------------------------------
+
+
+def allocate_response(result: AllocateResult) -> pb.AllocateResponse:
+    response = pb.AllocateResponse(
+        status=int(result.status),
+        num_computed_tokens=result.num_computed_tokens,
+        num_scheduled_tokens=result.num_scheduled_tokens,
+        step_id=result.step_id,
+    )
+    for group in result.groups:
+        response.groups.add(
+            group_id=group.group_id,
+            hit_block_ids=group.hit_block_ids,
+            new_block_ids=group.new_block_ids,
+            new_block_index=group.new_block_index,
+        )
+    for copy in result.copies:
+        response.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
+    return response
+
+
+def step_result(result: OpResult) -> pb.StepResult:
+    if type(result) is AllocateResult:
+        return pb.StepResult(allocate=allocate_response(result))
+    if type(result) is FreeResult:
+        return pb.StepResult(free=pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id))
+    assert type(result) is ForkResult, result
+    return pb.StepResult(fork=pb.ForkResponse(step_id=result.step_id))
+
+
+def decode_results(results: Sequence[AllocateResult]) -> pb.DecodeResults:
+    """Columns for the decode batch; only tables that changed are listed."""
+    decode = pb.DecodeResults()
+    decode.statuses.extend([int(r.status) for r in results])
+    decode.num_computed_tokens.extend([r.num_computed_tokens for r in results])
+    for index, result in enumerate(results):
+        for group in result.groups:
+            if group.new_block_ids:
+                decode.changes.add(
+                    op_index=index,
+                    group_id=group.group_id,
+                    new_block_index=group.new_block_index,
+                    new_block_ids=group.new_block_ids,
+                )
+        for copy in result.copies:
+            decode.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
+    return decode
+
+
+def block_table(table: BlockTable, message: pb.RequestBlockTable) -> pb.RequestBlockTable:
+    message.request_id = table.request_id
+    message.num_computed_tokens = table.num_computed_tokens
+    for group_id, block_ids in enumerate(table.block_ids):
+        message.groups.add(group_id=group_id, block_ids=block_ids)
+    return message
+
+
+def config_response(config: KVCacheConfig, replica_id: str, incarnation: int, max_tokens_per_call: int) -> pb.GetConfigResponse:
+    response = pb.GetConfigResponse(
+        num_blocks=config.num_blocks,
+        hash_algorithm=config.hash_algorithm.value,
+        hash_block_size=config.hash_block_size,
+        replica_id=replica_id,
+        incarnation=incarnation,
+        enable_prefix_caching=config.enable_prefix_caching,
+        max_model_len=config.max_model_len,
+        max_num_requests=config.max_num_requests,
+        max_tokens_per_call=max_tokens_per_call,
+    )
+    for group_id, spec in enumerate(config.groups):
+        response.groups.add(
+            group_id=group_id,
+            kind=GROUP_KINDS[spec.kind],
+            block_size=spec.block_size,
+            sliding_window=spec.sliding_window or 0,
+            chunk_size=spec.chunk_size or 0,
+        )
+    return response
+
+
+def kv_event(event: KVEvent, sequence: int, replica_id: str, incarnation: int) -> pb.KVEvent:
+    message = pb.KVEvent(sequence=sequence, replica_id=replica_id, incarnation=incarnation)
+    if type(event) is BlockStored:
+        message.block_stored.block_hashes.extend(event.block_hashes)
+        message.block_stored.parent_block_hash = event.parent_block_hash or b""
+        message.block_stored.group_id = event.group_id
+        message.block_stored.block_size = event.block_size
+    elif type(event) is BlockRemoved:
+        message.block_removed.block_hashes.extend(event.block_hashes)
+        message.block_removed.group_id = event.group_id
+    else:
+        assert type(event) is AllBlocksCleared, event
+        message.all_blocks_cleared.SetInParent()
+    return message
+
+
+# -- responses -> core (the client's side) ------------------------------------------
+
+
+def allocate_result(message: pb.AllocateResponse) -> AllocateResult:
+    return AllocateResult(
+        AllocateStatus(message.status),
+        message.num_computed_tokens,
+        message.num_scheduled_tokens,
+        tuple(
+            GroupAllocation(g.group_id, tuple(g.hit_block_ids), tuple(g.new_block_ids), g.new_block_index)
+            for g in message.groups
+        ),
+        tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in message.copies),
+        message.step_id,
+    )
+
+
+def op_result(message: pb.StepResult) -> OpResult:
+    kind = message.WhichOneof("result")
+    if kind == "allocate":
+        return allocate_result(message.allocate)
+    if kind == "free":
+        return FreeResult(message.free.num_freed_blocks, message.free.step_id)
+    return ForkResult(message.fork.step_id)
+
+
+def allocate_request(op: AllocateOp) -> pb.AllocateRequest:
+    return pb.AllocateRequest(
+        request_id=op.request_id,
+        token_ids=op.token_ids,
+        num_new_tokens=op.num_new_tokens,
+        num_lookahead_tokens=op.num_lookahead_tokens,
+        num_encoder_tokens=op.num_encoder_tokens,
+        cache_salt=op.cache_salt or "",
+        lora_name=op.lora.name if op.lora else "",
+        lora_path=op.lora.path if op.lora else "",
+        mm_features=[pb.MMFeature(identifier=m.identifier, offset=m.offset, length=m.length) for m in op.mm_features],
+        skip_prefix_cache=op.skip_prefix_cache,
+    )
+
+
+def step_op(op: Op) -> pb.StepOp:
+    if type(op) is AllocateOp:
+        return pb.StepOp(allocate=allocate_request(op))
+    if type(op) is FreeOp:
+        return pb.StepOp(free=pb.FreeRequest(request_ids=op.request_ids))
+    assert type(op) is ForkOp, op
+    return pb.StepOp(fork=pb.ForkRequest(parent_request_id=op.parent_request_id, child_request_ids=op.child_request_ids))
+
+
+def block_table_from(message: pb.RequestBlockTable) -> BlockTable:
+    return BlockTable(message.request_id, message.num_computed_tokens, tuple(tuple(g.block_ids) for g in message.groups))
+
+
+def stats_from(message: pb.GetStatsResponse) -> Stats:
+    return Stats(
+        num_blocks=message.num_blocks,
+        num_free_blocks=message.num_free_blocks,
+        usage=message.usage,
+        num_requests=message.num_requests,
+        prefix_cache_queries=message.prefix_cache_queries,
+        prefix_cache_hits=message.prefix_cache_hits,
+        num_evictions=message.num_evictions,
+        num_pending_copies=message.num_pending_copies,
+    )

@@ -1,0 +1,108 @@
+"""The gRPC server process: the servicer, health checking, reflection and shutdown."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kv_manager_service.core import KVCacheConfig, KVCacheManager
+from kv_manager_service.service import KVManagerServicer, ServiceLimits
+from kvcache.v1 import kv_manager_pb2 as pb
+from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kv_manager_service.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVManagerService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    replica_id: str = field(default_factory=socket.gethostname)
+    max_workers: int = 32  # threads; each open stream holds one
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 5.0  # on SIGTERM, in-flight calls get this long
+    limits: ServiceLimits = ServiceLimits()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.replica_id:
+            raise ValueError("replica_id must not be empty")
+        if self.max_workers < 2:
+            raise ValueError(f"max_workers must be >= 2, got {self.max_workers}")
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    servicer: KVManagerServicer
+    health: health.HealthServicer
+    address: str
+
+    def stop(self, grace_s: float) -> None:
+        """Refuse new calls, end the streams, let in-flight calls finish."""
+        self.health.enter_graceful_shutdown()
+        self.servicer.close()
+        self.server.stop(grace_s).wait()
+
+
+def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer:
+    """Build and start the server; returns once it accepts calls."""
+    config = dataclasses.replace(config, enable_events=True)
+    manager = KVCacheManager(config)
+    incarnation = time.time_ns()  # new at every start, and increasing across restarts
+    servicer = KVManagerServicer(manager, options.replica_id, incarnation, options.limits)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_KVManagerServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"could not bind {options.host}:{options.port}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, servicer, health_servicer, f"{options.host}:{port}")
+
+
+def serve(config: KVCacheConfig, options: ServerOptions) -> int:
+    """Run until SIGTERM or SIGINT, then shut down gracefully."""
+    running = start_server(config, options)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"KV manager listening on {running.address}", flush=True)
+    log.info(
+        "serving replica_id=%s incarnation=%d num_blocks=%d groups=%d",
+        options.replica_id,
+        running.servicer.incarnation,
+        config.num_blocks,
+        len(config.groups),
+    )
+    while not stop.wait(1.0):
+        pass
+    log.info("shutting down, grace %.1fs", options.grace_s)
+    running.stop(options.grace_s)
+    return 0

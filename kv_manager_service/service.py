@@ -1,0 +1,328 @@
+"""The `KVManagerService` servicer: one core behind a lock, plus the logs workers follow.
+
+Mutating calls are serialized by one lock around the single-threaded core.
+Each accepted step appends one `StepDelta` to the step log (step ids are
+contiguous) and the core's cache events, numbered from 1, to the event log.
+Both logs are bounded; a reader that asks for a dropped entry gets
+OUT_OF_RANGE and resyncs (`GetBlockTables` reports the step it reflects).
+
+Copies are released when every registered worker has acknowledged their
+step. A worker registers by `WatchSteps` or `AckSteps` and stays registered
+(a worker that reconnects resumes where it left off); with no worker
+registered, any `AckSteps` caller releases them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from kv_manager_service import convert
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.core import (
+    AllocateOp,
+    AllocateStatus,
+    ForkOp,
+    FreeOp,
+    InvalidArgumentError,
+    KVCacheError,
+    KVCacheManager,
+    OutOfRangeError,
+    StepResult,
+)
+from kv_manager_service.core.ops import Op
+from kv_manager_service.status import abort
+from kvcache.v1 import kv_manager_pb2 as pb
+from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kv_manager_service.service")
+
+Response = TypeVar("Response")
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Per-call limits; anything past them is refused with a message naming the limit."""
+
+    max_tokens_per_call: int = 1 << 20
+    max_ops_per_step: int = 1 << 16
+    step_retention: int = 100_000  # step deltas kept for WatchSteps
+    event_retention: int = 100_000  # events kept for WatchEvents
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_call", "max_ops_per_step", "step_retention", "event_retention"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _unary(method: Callable[..., Response]) -> Callable[..., Response]:
+    """Map core errors to their statuses; anything else is a bug: INTERNAL."""
+
+    @functools.wraps(method)
+    def wrapper(self: "KVManagerServicer", request, context: grpc.ServicerContext) -> Response:
+        try:
+            return method(self, request, context)
+        except KVCacheError as error:
+            abort(context, error)
+        except Exception:
+            log.exception("bug in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see the server log")
+
+    return wrapper
+
+
+class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
+    def __init__(self, manager: KVCacheManager, replica_id: str, incarnation: int, limits: ServiceLimits) -> None:
+        if not manager.config.enable_events:
+            raise ValueError("the service needs a core built with enable_events=True")
+        self.manager = manager
+        self.replica_id = replica_id
+        self.incarnation = incarnation
+        self.limits = limits
+        self.lock = threading.Lock()
+        self.steps: BroadcastLog[pb.StepDelta] = BroadcastLog(limits.step_retention)
+        self.events: BroadcastLog[pb.KVEvent] = BroadcastLog(limits.event_retention)
+        self.worker_acks: dict[str, int] = {}
+
+    def close(self) -> None:
+        """End every stream (on shutdown)."""
+        self.steps.close()
+        self.events.close()
+
+    # -- mutations -----------------------------------------------------------------
+
+    def _apply(self, ops: Sequence[Op], as_step: bool = False) -> StepResult:
+        """Run one step on the core and publish its delta and events. Holds the lock."""
+        num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
+        if num_tokens > self.limits.max_tokens_per_call:
+            raise InvalidArgumentError(
+                f"the call carries {num_tokens} token ids; the limit max_tokens_per_call is "
+                f"{self.limits.max_tokens_per_call}",
+                "token_ids",
+            )
+        if len(ops) > self.limits.max_ops_per_step:
+            raise InvalidArgumentError(
+                f"the step has {len(ops)} ops; the limit max_ops_per_step is {self.limits.max_ops_per_step}", "ops"
+            )
+        with self.lock:
+            requests = self.manager.requests
+            admitted = {op.request_id for op in ops if type(op) is AllocateOp and op.request_id not in requests}
+            try:
+                result = self.manager.step(ops)
+            except KVCacheError as error:
+                if not as_step and error.field and error.field.startswith("ops[0]."):
+                    error.field = error.field[len("ops[0].") :]  # a unary call has no ops list
+                raise
+            self.steps.append(self._delta(ops, result, admitted))
+            assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
+            self._publish_events()
+        return result
+
+    def _delta(self, ops: Sequence[Op], result: StepResult, admitted: set[str]) -> pb.StepDelta:
+        """What the step changed in the block tables, for workers."""
+        delta = pb.StepDelta(step_id=result.step_id)
+        for op, op_result in zip(ops, result.results):
+            kind = type(op)
+            if kind is AllocateOp:
+                if op_result.status is not AllocateStatus.OK:
+                    continue
+                if op.request_id in admitted:
+                    row = delta.rows_added.add(
+                        request_id=op.request_id,
+                        num_computed_tokens=op_result.num_computed_tokens + op_result.num_scheduled_tokens,
+                    )
+                    for group in op_result.groups:
+                        row.groups.add(group_id=group.group_id, block_ids=group.hit_block_ids + group.new_block_ids)
+                else:
+                    for group in op_result.groups:
+                        if group.new_block_ids:
+                            delta.blocks_appended.add(
+                                request_id=op.request_id,
+                                group_id=group.group_id,
+                                new_block_index=group.new_block_index,
+                                block_ids=group.new_block_ids,
+                            )
+                for copy in op_result.copies:
+                    delta.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
+            elif kind is FreeOp:
+                delta.requests_freed.extend(op.request_ids)
+            else:
+                assert kind is ForkOp
+                for child_id in op.child_request_ids:
+                    convert.block_table(self.manager.block_table(child_id), delta.rows_added.add())
+        return delta
+
+    def _publish_events(self) -> None:
+        events = self.manager.take_events()
+        if events:
+            first = self.events.last_id + 1
+            self.events.extend(
+                [convert.kv_event(e, first + i, self.replica_id, self.incarnation) for i, e in enumerate(events)]
+            )
+
+    @_unary
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        return convert.allocate_response(self._apply([convert.allocate_op(request)]).results[0])
+
+    @_unary
+    def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
+        result = self._apply([convert.free_op(request)]).results[0]
+        return pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id)
+
+    @_unary
+    def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
+        return pb.ForkResponse(step_id=self._apply([convert.fork_op(request)]).step_id)
+
+    @_unary
+    def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        ops = convert.step_ops(request)
+        result = self._apply(ops, as_step=True)
+        num_nested = len(request.ops)
+        response = pb.StepResponse(step_id=result.step_id)
+        response.results.extend([convert.step_result(r) for r in result.results[:num_nested]])
+        if len(request.decode.request_ids):
+            response.decode.CopyFrom(convert.decode_results(result.results[num_nested:]))
+        return response
+
+    @_unary
+    def AckSteps(self, request: pb.AckStepsRequest, context: grpc.ServicerContext) -> pb.AckStepsResponse:
+        if not request.worker_id:
+            raise InvalidArgumentError("worker_id must not be empty", "worker_id")
+        with self.lock:
+            if request.step_id > self.manager.last_step_id:
+                raise OutOfRangeError(
+                    f"step_id {request.step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
+                )
+            acks = self.worker_acks
+            acks[request.worker_id] = max(acks.get(request.worker_id, 0), request.step_id)
+            self.manager.ack(min(acks.values()))
+        return pb.AckStepsResponse()
+
+    @_unary
+    def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        with self.lock:
+            ok = self.manager.reset_prefix_cache()
+            self._publish_events()
+        return pb.ResetPrefixCacheResponse(ok=ok)
+
+    # -- queries -------------------------------------------------------------------
+
+    @_unary
+    def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.GetConfigResponse:
+        return convert.config_response(
+            self.manager.config, self.replica_id, self.incarnation, self.limits.max_tokens_per_call
+        )
+
+    @_unary
+    def FindCacheHit(self, request: pb.FindCacheHitRequest, context: grpc.ServicerContext) -> pb.FindCacheHitResponse:
+        if len(request.token_ids) > self.limits.max_tokens_per_call:
+            raise InvalidArgumentError(
+                f"token_ids has {len(request.token_ids)} ids; the limit max_tokens_per_call is "
+                f"{self.limits.max_tokens_per_call}",
+                "token_ids",
+            )
+        token_ids = list(request.token_ids)
+        lora = convert.lora(request.lora_name, request.lora_path)
+        mm_features = convert.mm_features(request.mm_features)
+        with self.lock:
+            hit = self.manager.find_cache_hit(token_ids, request.cache_salt or None, lora, mm_features)
+        response = pb.FindCacheHitResponse(num_cached_tokens=hit.num_cached_tokens)
+        for group_id, block_ids in enumerate(hit.block_ids):
+            response.groups.add(group_id=group_id, block_ids=block_ids)
+        if request.cluster:
+            # Without a mirror, the cluster is this replica.
+            response.replicas.add(replica_id=self.replica_id, num_cached_tokens=hit.num_cached_tokens)
+        return response
+
+    @_unary
+    def GetBlockTables(
+        self, request: pb.GetBlockTablesRequest, context: grpc.ServicerContext
+    ) -> pb.GetBlockTablesResponse:
+        response = pb.GetBlockTablesResponse()
+        with self.lock:
+            request_ids = list(request.request_ids) or list(self.manager.requests)
+            tables = [self.manager.block_table(request_id) for request_id in request_ids]
+            pending = self.manager.pending_copies()
+            response.step_id = self.manager.last_step_id
+        for table in tables:
+            convert.block_table(table, response.tables.add())
+        for pending_copy in pending:
+            response.pending_copies.add(
+                step_id=pending_copy.step_id,
+                copy=pb.BlockCopy(src_block_id=pending_copy.copy.src_block_id, dst_block_id=pending_copy.copy.dst_block_id),
+            )
+        return response
+
+    @_unary
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        with self.lock:
+            stats = self.manager.stats()
+            last_step_id = self.manager.last_step_id
+        return pb.GetStatsResponse(
+            num_blocks=stats.num_blocks,
+            num_free_blocks=stats.num_free_blocks,
+            usage=stats.usage,
+            num_requests=stats.num_requests,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_evictions=stats.num_evictions,
+            num_pending_copies=stats.num_pending_copies,
+            last_step_id=last_step_id,
+            last_event_sequence=self.events.last_id,
+        )
+
+    # -- streams -------------------------------------------------------------------
+
+    def WatchSteps(self, request: pb.WatchStepsRequest, context: grpc.ServicerContext) -> Iterator[pb.StepDelta]:
+        try:
+            if not request.worker_id:
+                raise InvalidArgumentError("worker_id must not be empty", "worker_id")
+            first = max(request.from_step_id, 1)
+            with self.lock:
+                if first > self.steps.last_id + 1:
+                    raise OutOfRangeError(
+                        f"from_step_id {first} is in the future (last step is {self.steps.last_id})", "from_step_id"
+                    )
+                self._check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
+                self.worker_acks.setdefault(request.worker_id, first - 1)
+            yield from self._follow(self.steps, first, context)
+        except KVCacheError as error:
+            abort(context, error)
+
+    def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KVEvent]:
+        try:
+            # 0 means everything still retained.
+            first = request.from_sequence or self.events.first_retained_id
+            self._check_retained(self.events, first, "from_sequence", "resync with FindCacheHit / GetStats")
+            yield from self._follow(self.events, first, context)
+        except KVCacheError as error:
+            abort(context, error)
+
+    @staticmethod
+    def _check_retained(log_: BroadcastLog, first: int, field: str, hint: str) -> None:
+        try:
+            log_.check_retained(first)
+        except LogTruncatedError as e:
+            raise OutOfRangeError(f"{field} {first} is no longer retained (oldest is {e.first_retained}); {hint}", field)
+
+    @staticmethod
+    def _follow(log_: BroadcastLog, first: int, context: grpc.ServicerContext) -> Iterator:
+        try:
+            for entry in log_.follow(first):
+                if entry is None:
+                    if not context.is_active():
+                        return
+                    continue
+                yield entry[1]
+        except LogTruncatedError as e:
+            raise OutOfRangeError(
+                f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", "from"
+            )
+

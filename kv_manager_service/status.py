@@ -1,0 +1,76 @@
+"""Caller mistakes as gRPC statuses: one table, one machine-readable reason each.
+
+A rejected call ends with the mapped status code and a `google.rpc.ErrorInfo`
+in the status details (`reason`, domain `kvcache.v1`, metadata `field`). The
+same reason and field are also sent as trailing metadata (`kvcache-reason`,
+`kvcache-field`) for clients without the rich-status helpers.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from kv_manager_service.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCacheError,
+    OutOfRangeError,
+    RequestExistsError,
+    RequestNotFoundError,
+    ResourceExhaustedError,
+)
+
+ERROR_DOMAIN = "kvcache.v1"
+
+STATUS_CODES: dict[type[KVCacheError], grpc.StatusCode] = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    RequestNotFoundError: grpc.StatusCode.NOT_FOUND,
+    RequestExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+def status_code(error: KVCacheError) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def abort(context: grpc.ServicerContext, error: KVCacheError) -> None:
+    """End the call with the status mapped from `error` (raises, as grpc's abort does)."""
+    code = status_code(error)
+    info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
+    if error.field:
+        info.metadata["field"] = error.field
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error), details=[detail])
+    rich = rpc_status.to_status(status)
+    metadata = tuple(rich.trailing_metadata) + (("kvcache-reason", error.reason), ("kvcache-field", error.field or ""))
+    context.abort_with_status(_Status(rich.code, rich.details, metadata))
+
+
+class _Status(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: tuple) -> None:
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
+
+
+def error_info(error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo of a failed call, on the client side; None if there is none."""
+    status = rpc_status.from_call(error)
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info
+    return None
