@@ -33,6 +33,7 @@ from kv_manager_service.core import (
     KVCacheError,
     KVCacheManager,
     OutOfRangeError,
+    RequestNotFoundError,
     StepResult,
 )
 from kv_manager_service.core.ops import Op
@@ -96,8 +97,13 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     # -- mutations -----------------------------------------------------------------
 
-    def _apply(self, ops: Sequence[Op], as_step: bool = False) -> StepResult:
-        """Run one step on the core and publish its delta and events. Holds the lock."""
+    def _apply(self, ops: Sequence[Op], num_decode: int = 0, unary: bool = False) -> StepResult:
+        """Run one step on the core and publish its delta and events. Holds the lock.
+
+        The last `num_decode` ops come from a Step's decode columns: they must
+        continue live requests, and their errors name `decode.*[j]`. A unary
+        call's errors name its own fields, without the `ops[0].` prefix.
+        """
         num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
         if num_tokens > self.limits.max_tokens_per_call:
             raise InvalidArgumentError(
@@ -109,14 +115,20 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             raise InvalidArgumentError(
                 f"the step has {len(ops)} ops; the limit max_ops_per_step is {self.limits.max_ops_per_step}", "ops"
             )
+        num_nested = len(ops) - num_decode
         with self.lock:
             requests = self.manager.requests
+            for j, op in enumerate(ops[num_nested:]):
+                if op.request_id not in requests:
+                    raise RequestNotFoundError(
+                        f"decode entry {j}: unknown request id {op.request_id!r} (decode continues live requests)",
+                        f"decode.request_ids[{j}]",
+                    )
             admitted = {op.request_id for op in ops if type(op) is AllocateOp and op.request_id not in requests}
             try:
                 result = self.manager.step(ops)
             except KVCacheError as error:
-                if not as_step and error.field and error.field.startswith("ops[0]."):
-                    error.field = error.field[len("ops[0].") :]  # a unary call has no ops list
+                error.field = _wire_field(error.field, num_nested, unary)
                 raise
             self.steps.append(self._delta(ops, result, admitted))
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
@@ -167,22 +179,22 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     @_unary
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
-        return convert.allocate_response(self._apply([convert.allocate_op(request)]).results[0])
+        return convert.allocate_response(self._apply([convert.allocate_op(request)], unary=True).results[0])
 
     @_unary
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
-        result = self._apply([convert.free_op(request)]).results[0]
+        result = self._apply([convert.free_op(request)], unary=True).results[0]
         return pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id)
 
     @_unary
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
-        return pb.ForkResponse(step_id=self._apply([convert.fork_op(request)]).step_id)
+        return pb.ForkResponse(step_id=self._apply([convert.fork_op(request)], unary=True).step_id)
 
     @_unary
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         ops = convert.step_ops(request)
-        result = self._apply(ops, as_step=True)
         num_nested = len(request.ops)
+        result = self._apply(ops, num_decode=len(ops) - num_nested)
         response = pb.StepResponse(step_id=result.step_id)
         response.results.extend([convert.step_result(r) for r in result.results[:num_nested]])
         if len(request.decode.request_ids):
@@ -284,7 +296,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         try:
             if not request.worker_id:
                 raise InvalidArgumentError("worker_id must not be empty", "worker_id")
-            first = max(request.from_step_id, 1)
+            # 0 means everything still retained.
+            first = request.from_step_id or self.steps.first_retained_id
             with self.lock:
                 if first > self.steps.last_id + 1:
                     raise OutOfRangeError(
@@ -326,3 +339,18 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", "from"
             )
 
+
+
+def _wire_field(field: str | None, num_nested: int, unary: bool) -> str | None:
+    """The core names fields `ops[i].x`; say it in the terms of the call that was made."""
+    if not field or not field.startswith("ops["):
+        return field
+    index_text, _, rest = field[len("ops[") :].partition("]")
+    index = int(index_text)
+    rest = rest.lstrip(".")
+    if unary:
+        return rest or None
+    if index >= num_nested:
+        column = "token_ids" if rest == "token_ids" else "request_ids"
+        return f"decode.{column}[{index - num_nested}]"
+    return field

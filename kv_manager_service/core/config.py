@@ -107,7 +107,7 @@ class KVCacheConfig:
             groups = []
             for i, g in enumerate(values["groups"]):
                 try:
-                    groups.append(GroupSpec(**g))
+                    groups.append(g if isinstance(g, GroupSpec) else GroupSpec(**g))
                 except (TypeError, ValueError) as e:
                     raise ValueError(f"groups[{i}]: {e}") from e
             values["groups"] = tuple(groups)

@@ -18,6 +18,7 @@ from kv_manager_service.core.coordinator import KVCacheCoordinator
 from kv_manager_service.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    KVCacheError,
     OutOfRangeError,
     RequestExistsError,
     RequestNotFoundError,
@@ -215,36 +216,52 @@ class KVCacheManager:
     # -- validation: raises, never mutates ---------------------------------------
 
     def _validate_step(self, ops: Sequence[Op]) -> None:
+        """Raise on the first invalid op, its field named `ops[i].<field>`. Changes nothing.
+
+        The live-request limit is checked as the ops would run: a free earlier
+        in the step makes room for an admission after it.
+        """
         seen: set[str] = set()
-        num_new_requests = 0
+        num_live = len(self.requests)
+        over_limit: ResourceExhaustedError | None = None
         for index, op in enumerate(ops):
-            kind = type(op)
-            if kind is AllocateOp:
-                ids: Iterable[str] = (op.request_id,)
-                num_new_requests += self._validate_allocate(op)
-            elif kind is FreeOp:
-                ids = op.request_ids
-                if not ids:
-                    raise InvalidArgumentError("free needs at least one request id", f"ops[{index}].request_ids")
-                for request_id in ids:
-                    self._get(request_id, f"ops[{index}].request_ids")
-            elif kind is ForkOp:
-                ids = (op.parent_request_id, *op.child_request_ids)
-                num_new_requests += self._validate_fork(op)
-            else:
-                raise InvalidArgumentError(f"unknown op type {kind.__name__}", f"ops[{index}]")
-            for request_id in ids:
-                if request_id in seen:
-                    raise InvalidArgumentError(
-                        f"request id {request_id!r} appears in more than one op of the step", f"ops[{index}]"
+            try:
+                kind = type(op)
+                if kind is AllocateOp:
+                    named_ids: Iterable[tuple[str, str]] = ((op.request_id, "request_id"),)
+                    num_live += self._validate_allocate(op)
+                elif kind is FreeOp:
+                    if not op.request_ids:
+                        raise InvalidArgumentError("free needs at least one request id", "request_ids")
+                    for request_id in op.request_ids:
+                        self._get(request_id, "request_ids")
+                    named_ids = ((request_id, "request_ids") for request_id in op.request_ids)
+                    num_live -= len(set(op.request_ids))
+                elif kind is ForkOp:
+                    num_live += self._validate_fork(op)
+                    named_ids = (
+                        (op.parent_request_id, "parent_request_id"),
+                        *((child_id, "child_request_ids") for child_id in op.child_request_ids),
                     )
-                seen.add(request_id)
-        if num_new_requests and len(self.requests) + num_new_requests > self.config.max_num_requests:
-            raise ResourceExhaustedError(
-                f"the step would make {len(self.requests) + num_new_requests} live requests; "
-                f"the limit max_num_requests is {self.config.max_num_requests}",
-                "ops",
-            )
+                else:
+                    raise InvalidArgumentError(f"unknown op type {kind.__name__}", None)
+                for request_id, field in named_ids:
+                    if request_id in seen:
+                        raise InvalidArgumentError(
+                            f"request id {request_id!r} appears in more than one op of the step, or twice in one op", field
+                        )
+                    seen.add(request_id)
+                if num_live > self.config.max_num_requests and over_limit is None:
+                    over_limit = ResourceExhaustedError(
+                        f"the step would make {num_live} live requests; "
+                        f"the limit max_num_requests is {self.config.max_num_requests}",
+                        f"ops[{index}]",
+                    )
+            except KVCacheError as error:
+                error.field = f"ops[{index}].{error.field}" if error.field else f"ops[{index}]"
+                raise
+        if over_limit is not None:  # reported after every op's own mistakes
+            raise over_limit
 
     def _validate_allocate(self, op: AllocateOp) -> int:
         """Checks one allocate op; returns 1 if it admits a new request, else 0."""
