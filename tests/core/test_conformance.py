@@ -513,3 +513,29 @@ def test_a_continuation_may_repeat_its_first_call_arguments() -> None:
     lora = LoraRef("adapter", "/a")
     admit(m, "a", [1, 2, 3, 4, 5], cache_salt="s", lora=lora)
     assert step(m, "a", [6], 1, cache_salt="s", lora=lora).status is OK
+
+
+def test_a_free_earlier_in_the_step_makes_room_for_an_admission() -> None:
+    m = make_manager(num_blocks=11, block_size=4, max_num_requests=2)
+    admit(m, "a", [1, 2, 3])
+    admit(m, "b", [4, 5, 6])
+    result = m.step([FreeOp(["a"]), AllocateOp("c", [7, 8], 2)])
+    m.check_invariants()
+    assert result.results[1].status is OK
+    assert sorted(m.requests) == ["b", "c"]
+    # The other way round the step would hold three live requests in between.
+    before = observable(m)
+    with pytest.raises(ResourceExhaustedError):
+        m.step([AllocateOp("d", [9], 1), FreeOp(["b"])])
+    assert observable(m) == before
+
+
+def test_a_rejected_step_names_the_offending_op_and_field() -> None:
+    m = make_manager(num_blocks=11, block_size=4)
+    admit(m, "a", [1, 2, 3])
+    with pytest.raises(RequestNotFoundError) as excinfo:
+        m.step([AllocateOp("a", [4], 1), FreeOp(["nobody"])])
+    assert excinfo.value.field == "ops[1].request_ids"
+    with pytest.raises(InvalidArgumentError) as excinfo:
+        m.step([AllocateOp("b", [1], 0)])
+    assert excinfo.value.field == "ops[0].num_new_tokens"
