@@ -1,0 +1,797 @@
+"""Benchmarks of the gRPC service against a real server subprocess on loopback.
+
+Starts `python -m kv_manager_service.cli serve --port 0` as a user would,
+keeps the client in this process, and measures in one run:
+
+1. floor: the empty RPC, a GetStats round trip (raw stub, prebuilt request).
+2. decode Steps of 1, 64 and 256 ops: every request is admitted first with a
+   1000-token prompt (the pool is big enough), then decodes one token per
+   Step through the columnar `StepRequest.decode` (DecodeBatch). Sent through
+   the raw stub with prebuilt requests; for 256 ops also as pre-serialized
+   bytes (no client-side proto work), through `KVManagerClient.decode`, as
+   nested `ops` (one AllocateRequest per op, prebuilt) and through
+   `KVManagerClient.step(ops)`.
+3. the same 256 decode ops in-process: `KVCacheManager.step([AllocateOp(rid,
+   [tok], 1), ...])` on a core built from the same flags as the server's
+   (events on, as the server runs it); building the op list is not timed.
+4. throughput: request-steps per second with back-to-back 256-op Steps from
+   one client, and from two clients in threads (separate connections and
+   request sets), with the CPU seconds each process spent per Step.
+5. where a 256-op Step's server time goes: the servicer's pipeline run
+   in-process without gRPC, phase by phase, on another identical core
+   (proto decode, convert.step_ops, _apply's checks, core step,
+   service._delta, the step-log append, event publishing,
+   convert.decode_results, response assembly, response encode), plus the
+   client's own proto work.
+
+Every round measures all of these, in-process right after the RPC it is
+compared with, so ratios come from the same moment (single runs on a 2-core
+machine swing by up to 2x). Each figure is the median over rounds of the
+per-round figure; the spread shows the lowest and highest round's p50.
+
+With --profile-server PATH, a last phase runs py-spy (--gil: the thread
+holding the GIL, i.e. Python CPU) on the server subprocess during
+back-to-back 256-op decode Steps, writes the raw collapsed stacks to PATH
+and adds a table of samples by category (proto decode, step_ops, core,
+_delta, decode_results, events, encode, gRPC's Python glue).
+
+    python bench/rpc_bench.py            # full run, about a minute on 2 cores
+    python bench/rpc_bench.py --quick    # smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import platform
+import queue
+import random
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grpc
+from google.protobuf import __version__ as protobuf_version
+from google.protobuf.internal import api_implementation
+
+from kv_manager_service import cli, convert
+from kv_manager_service.client import KVManagerClient
+from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig, KVCacheManager
+from kv_manager_service.service import KVManagerServicer, ServiceLimits
+from kvcache.v1 import kv_manager_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16  # the server's default pool: one full-attention group of 16-token blocks
+PROMPT_LEN = 1000
+VOCAB_SIZE = 150_000
+NUM_PREBUILT = 16  # distinct prebuilt decode requests, cycled (tokens differ between them)
+STEP_METHOD = "/kvcache.v1.KVManagerService/Step"
+
+# Targets (see the brief): 1.5x vLLM 0.33's in-process 256-request decode step
+# (1.4-1.65 ms on this machine kind), and the serving rate a 256-op Step must sustain.
+TARGET_STEP_256_P50_MS = 2.2
+TARGET_REQUEST_STEPS_PER_S = 100_000
+VLLM_STEP_MS = "1.4-1.65"
+
+OK = pb.ALLOCATE_STATUS_OK
+now_ns = time.perf_counter_ns
+
+
+# -- plumbing --------------------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in (0, 100])."""
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class Series:
+    """Per-round figures of one metric: p50 and p99 of that round's samples (or one value)."""
+
+    p50: list[float] = field(default_factory=list)
+    p99: list[float] = field(default_factory=list)
+
+    def add_samples(self, samples_ns: Sequence[int], scale: float = 1e6) -> None:
+        self.p50.append(statistics.median(samples_ns) / scale)
+        self.p99.append(percentile(samples_ns, 99) / scale)
+
+    def add_value(self, value: float) -> None:
+        self.p50.append(value)
+
+
+class Server:
+    """`kv-manager serve --port 0` in a subprocess, as a user starts it."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="rpc_bench_server_", suffix=".log", delete=False)
+        self.argv = [
+            sys.executable, "-m", "kv_manager_service.cli", "serve",
+            "--port", "0", "--num-blocks", str(num_blocks), "--replica-id", "rpc-bench", "--log-level", "WARNING",
+        ]
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=60)
+        except queue.Empty:
+            line = ""
+        prefix = "KV manager listening on "
+        if not line.startswith(prefix):
+            log = Path(self.log.name).read_text()
+            self.stop()
+            raise SystemExit(f"the server did not start (stdout {line!r}); its log:\n{log}")
+        self.address = line[len(prefix):].strip()
+        self.pid = self.proc.pid
+        self._clock_ticks = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the server process, all threads."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / self._clock_ticks
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def make_client(address: str, own_connection: bool = False) -> KVManagerClient:
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    if own_connection:  # channels with equal options otherwise share one subchannel (one TCP connection)
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    client = KVManagerClient(address, channel=grpc.insecure_channel(address, options=options))
+    client.wait_ready()
+    return client
+
+
+def server_config(num_blocks: int) -> KVCacheConfig:
+    """The core the server builds from `serve --num-blocks N`: the same flags, then events on (start_server)."""
+    args = cli.make_parser().parse_args(["serve", "--num-blocks", str(num_blocks)])
+    return dataclasses.replace(cli.build_config(args), enable_events=True)
+
+
+class Workload:
+    """Request ids, prompts and prebuilt decode messages for one set of `n` requests."""
+
+    def __init__(self, tag: str, n: int, rng: random.Random) -> None:
+        self.request_ids = [f"{tag}-{i}" for i in range(n)]
+        self.prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(PROMPT_LEN)] for _ in range(n)]
+        self.tokens = [[rng.randrange(VOCAB_SIZE) for _ in range(n)] for _ in range(NUM_PREBUILT)]
+        self.decode_requests = [
+            pb.StepRequest(decode=pb.DecodeBatch(request_ids=self.request_ids, token_ids=t)) for t in self.tokens
+        ]
+        self.decode_bytes = [r.SerializeToString() for r in self.decode_requests]
+        self.nested_requests = [
+            pb.StepRequest(
+                ops=[pb.StepOp(allocate=pb.AllocateRequest(request_id=r, token_ids=[tok], num_new_tokens=1))
+                     for r, tok in zip(self.request_ids, t)]
+            )
+            for t in self.tokens
+        ]
+
+    def admit_request(self) -> pb.StepRequest:
+        return pb.StepRequest(
+            ops=[pb.StepOp(allocate=pb.AllocateRequest(request_id=r, token_ids=p, num_new_tokens=len(p)))
+                 for r, p in zip(self.request_ids, self.prompts)]
+        )
+
+    def admit_ops(self) -> list[AllocateOp]:
+        return [AllocateOp(r, p, len(p)) for r, p in zip(self.request_ids, self.prompts)]
+
+    def decode_ops(self, step: int) -> list[AllocateOp]:
+        return [AllocateOp(r, [t], 1) for r, t in zip(self.request_ids, self.tokens[step % NUM_PREBUILT])]
+
+
+def admit_rpc(client: KVManagerClient, work: Workload) -> None:
+    response = client.stub.Step(work.admit_request(), timeout=60)
+    assert all(r.allocate.status == OK for r in response.results), "admission failed: pool too small?"
+
+
+def check_decode(response: pb.StepResponse, n: int) -> bool:
+    """Asserts every op got OK; returns whether any table changed (the step filled a block)."""
+    statuses = response.decode.statuses
+    assert len(statuses) == n and all(s == OK for s in statuses), "a decode op got NO_SPACE: pool too small?"
+    return len(response.decode.changes) > 0
+
+
+def check_nested(response: pb.StepResponse) -> None:
+    assert all(r.allocate.status == OK for r in response.results), "a nested op got NO_SPACE: pool too small?"
+
+
+def timed_calls(
+    call: Callable[[int], Any], check: Callable[[Any], Any], warmup: int, steps: int, flags: list | None = None
+) -> list[int]:
+    """`call(i)` `warmup` times untimed, then `steps` timed calls; `check` runs outside the timing.
+
+    With `flags`, what `check` returns for each timed call is appended to it.
+    """
+    for i in range(warmup):
+        check(call(i))
+    samples = []
+    for i in range(steps):
+        start = now_ns()
+        response = call(i)
+        samples.append(now_ns() - start)
+        flag = check(response)
+        if flags is not None:
+            flags.append(flag)
+    return samples
+
+
+# -- the measurements of one round -------------------------------------------------
+
+
+@dataclass
+class Plan:
+    rounds: int
+    warmup: int  # untimed calls before each timed series
+    steps: int  # timed calls per series and round
+    floor_calls: int  # GetStats calls per round
+    throughput_steps: int  # back-to-back Steps per client per round
+    profile_s: float
+
+    @property
+    def tokens_per_request(self) -> int:
+        """Longest request of a round: the 256-op set runs 5 latency series (raw, bytes, client.decode, nested,
+        client.step), then the throughput runs."""
+        return PROMPT_LEN + 5 * (self.warmup + self.steps) + self.throughput_steps + BLOCK_SIZE
+
+    @property
+    def num_blocks(self) -> int:
+        per_request = -(-self.tokens_per_request // BLOCK_SIZE) + 1
+        return (256 + 256 + 64 + 1) * per_request + 1024
+
+
+@dataclass
+class Results:
+    series: dict[str, Series] = field(default_factory=dict)
+    phases: dict[str, Series] = field(default_factory=dict)
+
+    def get(self, key: str) -> Series:
+        return self.series.setdefault(key, Series())
+
+    def phase(self, key: str) -> Series:
+        return self.phases.setdefault(key, Series())
+
+
+PHASES = (
+    ("decode", "proto decode: StepRequest.FromString"),
+    ("step_ops", "convert.step_ops: building 256 AllocateOps"),
+    ("checks", "_apply: token/op limits + admitted set"),
+    ("core", "core: KVCacheManager.step"),
+    ("delta", "service._delta: building the StepDelta"),
+    ("log", "step log append (BroadcastLog)"),
+    ("events", "_publish_events: take_events + convert.kv_event"),
+    ("decode_results", "convert.decode_results"),
+    ("assemble", "StepResponse + decode.CopyFrom"),
+    ("encode", "response encode: SerializeToString"),
+)
+CLIENT_PHASES = (
+    ("c_build", "client: build StepRequest from lists (client.decode)"),
+    ("c_encode", "client: request SerializeToString"),
+    ("c_parse", "client: response FromString"),
+    ("c_tuples", "client: DecodeStepResult tuples (client.decode)"),
+)
+
+
+def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workload, plan: Plan) -> None:
+    """The servicer's Step pipeline (service.Step and _apply, inlined in the same order), phase by phase."""
+    manager = servicer.manager
+    admit = servicer.Step(work.admit_request(), None)
+    assert all(r.allocate.status == OK for r in admit.results)
+    phase_ns: dict[str, list[int]] = {key: [] for key, _ in PHASES + CLIENT_PHASES}
+    whole_ns, whole_nogc_ns = [], []
+    for i in range(plan.warmup + plan.steps):
+        data = work.decode_bytes[i % NUM_PREBUILT]
+        t0 = now_ns()
+        request = pb.StepRequest.FromString(data)
+        t1 = now_ns()
+        ops = convert.step_ops(request)
+        t2 = now_ns()
+        num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
+        assert num_tokens <= servicer.limits.max_tokens_per_call and len(ops) <= servicer.limits.max_ops_per_step
+        with servicer.lock:
+            requests = manager.requests
+            admitted = {op.request_id for op in ops if type(op) is AllocateOp and op.request_id not in requests}
+            t3 = now_ns()
+            result = manager.step(ops)
+            t4 = now_ns()
+            delta = servicer._delta(ops, result, admitted)
+            t5 = now_ns()
+            servicer.steps.append(delta)
+            t6 = now_ns()
+            servicer._publish_events()
+            t7 = now_ns()
+        num_nested = len(request.ops)
+        decode = convert.decode_results(result.results[num_nested:])
+        t8 = now_ns()
+        response = pb.StepResponse(step_id=result.step_id)
+        response.results.extend([convert.step_result(r) for r in result.results[:num_nested]])
+        response.decode.CopyFrom(decode)
+        t9 = now_ns()
+        out = response.SerializeToString()
+        t10 = now_ns()
+        # The client's side of client.decode, on the same bytes.
+        ids, tokens = work.request_ids, work.tokens[i % NUM_PREBUILT]
+        c0 = now_ns()
+        message = pb.StepRequest(decode=pb.DecodeBatch(request_ids=ids, token_ids=tokens))
+        c1 = now_ns()
+        message.SerializeToString()
+        c2 = now_ns()
+        parsed = pb.StepResponse.FromString(out)
+        c3 = now_ns()
+        d = parsed.decode
+        (
+            parsed.step_id,
+            tuple(AllocateStatus(s) for s in d.statuses),
+            tuple(d.num_computed_tokens),
+            tuple((c.op_index, c.group_id, c.new_block_index, tuple(c.new_block_ids)) for c in d.changes),
+            tuple((c.src_block_id, c.dst_block_id) for c in d.copies),
+        )
+        c4 = now_ns()
+        check_decode(parsed, len(ids))
+        if i >= plan.warmup:
+            for key, start, end in (
+                ("decode", t0, t1), ("step_ops", t1, t2), ("checks", t2, t3), ("core", t3, t4),
+                ("delta", t4, t5), ("log", t5, t6), ("events", t6, t7), ("decode_results", t7, t8),
+                ("assemble", t8, t9), ("encode", t9, t10),
+                ("c_build", c0, c1), ("c_encode", c1, c2), ("c_parse", c2, c3), ("c_tuples", c3, c4),
+            ):
+                phase_ns[key].append(end - start)
+    # The servicer itself, end to end (bytes in, bytes out), with and without the cyclic GC.
+    for i in range(plan.warmup + plan.steps):
+        data = work.decode_bytes[i % NUM_PREBUILT]
+        start = now_ns()
+        servicer.Step(pb.StepRequest.FromString(data), None).SerializeToString()
+        if i >= plan.warmup:
+            whole_ns.append(now_ns() - start)
+    gc.disable()
+    try:
+        for i in range(plan.warmup + plan.steps):
+            data = work.decode_bytes[i % NUM_PREBUILT]
+            start = now_ns()
+            servicer.Step(pb.StepRequest.FromString(data), None).SerializeToString()
+            if i >= plan.warmup:
+                whole_nogc_ns.append(now_ns() - start)
+    finally:
+        gc.enable()
+    for key, samples in phase_ns.items():
+        series = results.phase(key)
+        series.add_samples(samples, 1e3)  # us
+        results.phase(key + ":mean").add_value(statistics.fmean(samples) / 1e3)
+    pipeline = [sum(phase_ns[k][j] for k, _ in PHASES) for j in range(plan.steps)]
+    results.phase("pipeline").add_samples(pipeline, 1e3)
+    results.phase("pipeline:mean").add_value(statistics.fmean(pipeline) / 1e3)
+    results.phase("whole").add_samples(whole_ns, 1e3)
+    results.phase("whole:mean").add_value(statistics.fmean(whole_ns) / 1e3)
+    results.phase("whole_nogc").add_samples(whole_nogc_ns, 1e3)
+    results.phase("whole_nogc:mean").add_value(statistics.fmean(whole_nogc_ns) / 1e3)
+    servicer.Free(pb.FreeRequest(request_ids=work.request_ids), None)
+
+
+def throughput(clients: Sequence[KVManagerClient], works: Sequence[Workload], steps: int) -> tuple[float, float]:
+    """Back-to-back 256-op Steps, one thread per client; returns (request-steps/s, wall s)."""
+    barrier = threading.Barrier(len(clients) + 1)
+    errors: list[BaseException] = []
+
+    def loop(client: KVManagerClient, work: Workload) -> None:
+        step = client.stub.Step
+        requests = work.decode_requests
+        barrier.wait()
+        try:
+            response = None
+            for i in range(steps):
+                response = step(requests[i % NUM_PREBUILT], timeout=30)
+            check_decode(response, len(work.request_ids))
+        except BaseException as error:  # noqa: BLE001 - reported by the caller
+            errors.append(error)
+
+    threads = [threading.Thread(target=loop, args=(c, w)) for c, w in zip(clients, works)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = now_ns()
+    for thread in threads:
+        thread.join()
+    wall = (now_ns() - start) / 1e9
+    if errors:
+        raise errors[0]
+    return sum(len(w.request_ids) for w in works) * steps / wall, wall
+
+
+def run_round(
+    index: int,
+    plan: Plan,
+    server: Server,
+    client: KVManagerClient,
+    client2: KVManagerClient,
+    manager: KVCacheManager,
+    servicer: KVManagerServicer,
+    results: Results,
+) -> None:
+    rng = random.Random(index)
+    w1 = Workload(f"r{index}-one", 1, rng)
+    w64 = Workload(f"r{index}-64", 64, rng)
+    w256 = Workload(f"r{index}-256", 256, rng)
+    w256b = Workload(f"r{index}-256b", 256, rng)
+    for work in (w1, w64, w256, w256b):
+        admit_rpc(client, work)
+    stub = client.stub
+    warmup, steps = plan.warmup, plan.steps
+
+    # 1. the empty-RPC floor
+    stats_request = pb.GetStatsRequest()
+    server_cpu, client_cpu = server.cpu_s(), time.process_time()
+    floor = timed_calls(lambda i: stub.GetStats(stats_request, timeout=10), lambda r: None, warmup, plan.floor_calls)
+    calls = warmup + plan.floor_calls
+    results.get("floor_server_cpu_ms").add_value((server.cpu_s() - server_cpu) / calls * 1e3)
+    results.get("floor_client_cpu_ms").add_value((time.process_time() - client_cpu) / calls * 1e3)
+    results.get("floor").add_samples(floor)
+
+    # 2. columnar decode through the raw stub, prebuilt requests
+    for work in (w1, w64, w256):
+        n = len(work.request_ids)
+        filled: list[bool] = []
+        samples = timed_calls(
+            lambda i: stub.Step(work.decode_requests[i % NUM_PREBUILT], timeout=10),
+            lambda r: check_decode(r, n), warmup, steps, filled,
+        )
+        results.get(f"raw{n}").add_samples(samples)
+        if n == 256:
+            results.get("raw256_fill").add_samples([t for t, f in zip(samples, filled) if f])
+            results.get("raw256_nofill").add_samples([t for t, f in zip(samples, filled) if not f])
+    raw256_p50 = results.get("raw256").p50[-1]
+
+    # 3. in-process, right after the RPC it is compared with
+    admitted = manager.step(w256.admit_ops())
+    assert all(r.status is AllocateStatus.OK for r in admitted.results)
+    manager.take_events()
+    inproc = []
+    for i in range(warmup + steps):
+        ops = w256.decode_ops(i)
+        start = now_ns()
+        result = manager.step(ops)
+        elapsed = now_ns() - start
+        manager.take_events()  # the server drains them every step; not timed, as in core_bench
+        assert all(r.status is AllocateStatus.OK for r in result.results)
+        if i >= warmup:
+            inproc.append(elapsed)
+    results.get("inproc").add_samples(inproc)
+    inproc_p50 = results.get("inproc").p50[-1]
+    manager.free(w256.request_ids)
+    manager.take_events()
+
+    # 2b. the other ways to send the same 256 ops
+    raw_step = client.channel.unary_unary(STEP_METHOD)  # bytes in, bytes out: no client-side proto work
+    samples = timed_calls(lambda i: raw_step(w256.decode_bytes[i % NUM_PREBUILT], timeout=10),
+                          lambda r: check_decode(pb.StepResponse.FromString(r), 256), warmup, steps)
+    results.get("bytes256").add_samples(samples)
+    ids = w256.request_ids
+
+    def check_result(r: Any) -> None:
+        assert all(s is AllocateStatus.OK for s in r.statuses)
+
+    samples = timed_calls(lambda i: client.decode(ids, w256.tokens[i % NUM_PREBUILT]), check_result, warmup, steps)
+    results.get("client256").add_samples(samples)
+    samples = timed_calls(
+        lambda i: stub.Step(w256.nested_requests[i % NUM_PREBUILT], timeout=10),
+        check_nested, warmup, steps,
+    )
+    results.get("nested256").add_samples(samples)
+
+    def check_step(r: Any) -> None:
+        assert all(x.status is AllocateStatus.OK for x in r.results)
+
+    samples = timed_calls(lambda i: client.step(w256.decode_ops(i)), check_step, warmup, steps)
+    results.get("clientstep256").add_samples(samples)
+
+    # ratios of this round
+    results.get("ratio_raw_inproc").add_value(raw256_p50 / inproc_p50)
+    results.get("ratio_client_inproc").add_value(results.get("client256").p50[-1] / inproc_p50)
+    results.get("ratio_nested_raw").add_value(results.get("nested256").p50[-1] / raw256_p50)
+    results.get("over_floor").add_value(raw256_p50 - results.get("floor").p50[-1])
+
+    # 4. throughput, with CPU per Step of each process
+    server_cpu, client_cpu = server.cpu_s(), time.process_time()
+    rate, wall = throughput([client], [w256], plan.throughput_steps)
+    server_cpu, client_cpu = server.cpu_s() - server_cpu, time.process_time() - client_cpu
+    results.get("tput1").add_value(rate)
+    results.get("tput1_step_ms").add_value(wall / plan.throughput_steps * 1e3)
+    results.get("server_cpu_ms").add_value(server_cpu / plan.throughput_steps * 1e3)
+    results.get("client_cpu_ms").add_value(client_cpu / plan.throughput_steps * 1e3)
+    rate, _ = throughput([client, client2], [w256, w256b], plan.throughput_steps)
+    results.get("tput2").add_value(rate)
+
+    # 5. the servicer's pipeline without gRPC
+    measure_breakdown(results, servicer, Workload(f"r{index}-bd", 256, random.Random(1000 + index)), plan)
+
+    client.free(w1.request_ids + w64.request_ids + w256.request_ids + w256b.request_ids)
+
+
+# -- profile -----------------------------------------------------------------------
+
+# Categories of py-spy stacks, first match wins (a frame anywhere in the stack).
+PROFILE_CATEGORIES = (
+    ("events", "event publishing (_publish_events, convert.kv_event)", ("_publish_events (",)),
+    ("delta", "service._delta (building the StepDelta)", ("._delta (kv_manager_service/service.py",)),
+    ("log", "step log append", ("(kv_manager_service/broadcast_log.py",)),
+    ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
+    ("step_ops", "convert.step_ops (building AllocateOps)", ("step_ops (", "step_ops.<locals>")),
+    ("decode_results", "convert.decode_results", ("decode_results (", "decode_results.<locals>")),
+    ("apply", "service._apply, rest (limits, admitted set, lock)", ("._apply (", "._apply.<locals>")),
+    ("step", "service.Step, rest (StepResponse, CopyFrom)", ("KVManagerServicer.Step (",)),
+    ("proto_decode", "proto decode (grpc deserialize -> FromString)", ("deserialize (grpc/_common.py",)),
+    ("proto_encode", "response encode (grpc serialize -> SerializeToString)", ("serialize (grpc/_common.py",)),
+    ("handler_other", "servicer, rest (_unary wrapper: frees ops/results on return)", ("(kv_manager_service/",)),
+    ("grpc_send", "gRPC: _status (start the send batch)", ("_status (grpc/_server.py",)),
+    ("grpc_poll", "gRPC: poll thread _serve (C-core poll, event dispatch, pool submit)", ("_serve (grpc/_server.py",)),
+    ("grpc_pool", "gRPC: thread-pool worker loop (_worker)", ("_worker (concurrent/futures/thread.py",)),
+    ("grpc_other", "gRPC Python, rest (request thunk, context)", ("(grpc/",)),
+)
+SERVICER_CATEGORIES = {"events", "delta", "log", "core", "step_ops", "decode_results", "apply", "step",
+                       "proto_decode", "proto_encode", "handler_other"}
+
+
+def categorize(raw: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        stack, _, number = line.rpartition(" ")
+        category = "other"
+        for key, _, patterns in PROFILE_CATEGORIES:
+            if any(p in stack for p in patterns):
+                category = key
+                break
+        counts[category] = counts.get(category, 0) + int(number)
+    return counts
+
+
+def profile_server(
+    server: Server, client: KVManagerClient, plan: Plan, path: Path, gil_only: bool, rate: int, nonblocking: bool
+) -> list[str]:
+    """py-spy on the server during back-to-back 256-op Steps; a table of samples by category."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        raise SystemExit("--profile-server needs py-spy: pip install py-spy")
+    work = Workload("profile", 256, random.Random(99))
+    admit_rpc(client, work)
+    stub = client.stub
+    for i in range(plan.warmup):
+        stub.Step(work.decode_requests[i % NUM_PREBUILT], timeout=10)
+    # Every round's requests are freed by now: the whole pool is there (evictable cached blocks included).
+    max_steps = ((plan.num_blocks - 1024) // 256 - 2) * BLOCK_SIZE - PROMPT_LEN - plan.warmup
+    argv = [py_spy, "record", "--pid", str(server.pid), "--format", "raw", "-o", str(path),
+            "--duration", str(max(1, round(plan.profile_s))), "--rate", str(rate)]
+    flags = [f"--rate {rate}"]
+    if nonblocking:
+        flags.append("--nonblocking")
+    if gil_only:
+        flags.append("--gil")
+    argv += [f for f in flags if not f.startswith("--rate")]
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # attach
+    steps, cpu0, start = 0, server.cpu_s(), now_ns()
+    while spy.poll() is None and steps < max_steps:
+        stub.Step(work.decode_requests[steps % NUM_PREBUILT], timeout=10)
+        steps += 1
+    wall, cpu = (now_ns() - start) / 1e9, server.cpu_s() - cpu0
+    _, err = spy.communicate(timeout=60)
+    client.free(work.request_ids)
+    if spy.returncode != 0 or not path.exists():
+        raise SystemExit(f"py-spy failed ({spy.returncode}): {err}")
+    counts = categorize(path.read_text())
+    total = sum(counts.values()) or 1
+    servicer_total = sum(counts.get(k, 0) for k in SERVICER_CATEGORIES) or 1
+    labels = {key: label for key, label, _ in PROFILE_CATEGORIES} | {"other": "other"}
+    steps = max(steps, 1)
+    what = ("samples of the thread holding the GIL (Python CPU; C-core work without the GIL is not seen)"
+            if gil_only else "samples of every thread py-spy deems active (gRPC rows may include waits)")
+    lines = [
+        "",
+        f"## Server profile: py-spy record {' '.join(flags)} --pid {server.pid}",
+        "",
+        f"{steps} back-to-back 256-op decode Steps in {wall:.1f} s ({wall / steps * 1e3:.2f} ms each with the "
+        f"profiler attached, which shares the 2 cores); server CPU {cpu / steps * 1e3:.2f} ms per Step. "
+        f"{sum(counts.values()):,} {what}. ms per Step = samples / rate / Steps. Raw stacks: `{path}`.",
+        "",
+        "| category | samples | of all | of servicer + codec | ms per Step |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key in sorted(counts, key=counts.get, reverse=True):
+        share = f"{counts[key] / servicer_total:.1%}" if key in SERVICER_CATEGORIES else ""
+        per_step = counts[key] / rate / steps * 1e3
+        lines.append(f"| {labels[key]} | {counts[key]:,} | {counts[key] / total:.1%} | {share} | {fmt(per_step)} |")
+    return lines
+
+
+# -- report ------------------------------------------------------------------------
+
+
+def fmt(value: float) -> str:
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def row(number: str, metric: str, series: Series, unit: str, target: str = "", note: str = "",
+        met: bool | None = None) -> str:
+    p50 = statistics.median(series.p50)
+    p99 = fmt(statistics.median(series.p99)) if series.p99 else ""
+    spread = f"{fmt(min(series.p50))} - {fmt(max(series.p50))}" if len(series.p50) > 1 else ""
+    if met is not None:
+        target = f"{target} ({'met' if met else 'MISSED'})"
+    return f"| {number} | {metric} | {fmt(p50)} | {p99} | {unit} | {spread} | {target} | {note} |"
+
+
+def render(results: Results, plan: Plan, command: str, seconds: float, server_argv: Sequence[str]) -> list[str]:
+    s = results.series
+    med = lambda key: statistics.median(s[key].p50)  # noqa: E731
+    lines = [
+        "# RPC benchmarks",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Python {platform.python_version()} ({platform.python_implementation()}), {platform.system()} "
+        f"{platform.machine()}, {os.cpu_count()} CPUs; grpcio {grpc.__version__}, protobuf {protobuf_version} "
+        f"({api_implementation.Type()}); server `{shlex.join(['python', *server_argv[1:]])}` on loopback, "
+        f"client in the bench process; {plan.rounds} alternating rounds, each {plan.steps} timed calls per "
+        f"series after {plan.warmup} warm-up ({plan.floor_calls} for GetStats, {plan.throughput_steps} Steps per "
+        f"client for throughput); medians over rounds of per-round p50 / p99; total {seconds:.0f} s.",
+        "",
+        "| # | metric | p50 | p99 | unit | spread (round p50s) | target | note |",
+        "|---|---|---:|---:|---|---|---|---|",
+        row("1", "empty RPC: GetStats round trip", s["floor"], "ms", note="raw stub, prebuilt request"),
+        row("1", "  server process CPU per GetStats", s["floor_server_cpu_ms"], "ms", note="/proc/PID/stat"),
+        row("1", "  client process CPU per GetStats", s["floor_client_cpu_ms"], "ms", note="time.process_time"),
+        row("2", "Step, 1 decode op (columnar)", s["raw1"], "ms", note="raw stub, prebuilt request"),
+        row("2", "Step, 64 decode ops (columnar)", s["raw64"], "ms", note="raw stub, prebuilt request"),
+        row("2", "Step, 256 decode ops (columnar)", s["raw256"], "ms", f"<= {TARGET_STEP_256_P50_MS}",
+            "raw stub, prebuilt request", met=med("raw256") <= TARGET_STEP_256_P50_MS),
+        row("2", "  of which Steps that fill a block in every request (1 in 16)", s["raw256_fill"], "ms",
+            note="hashing, 256 table changes, 256 events"),
+        row("2", "  of which the other Steps", s["raw256_nofill"], "ms"),
+        row("2", "Step, 256 decode ops, pre-serialized bytes", s["bytes256"], "ms",
+            note="no client-side proto encode/decode"),
+        row("2", "Step, 256 decode ops via KVManagerClient.decode", s["client256"], "ms", f"<= {TARGET_STEP_256_P50_MS}",
+            "builds the request, typed result", met=med("client256") <= TARGET_STEP_256_P50_MS),
+        row("2", "Step, 256 ops as nested `ops` (AllocateRequest each)", s["nested256"], "ms",
+            note="raw stub, prebuilt request"),
+        row("2", "Step, 256 ops via KVManagerClient.step(AllocateOps)", s["clientstep256"], "ms",
+            note="nested ops, client converts both ways"),
+        row("3", "in-process KVCacheManager.step, 256 decode ops", s["inproc"], "ms", f"vLLM {VLLM_STEP_MS}",
+            "identical core (events on); op list not timed"),
+        row("3", "ratio: columnar raw Step p50 / in-process p50", s["ratio_raw_inproc"], "x",
+            note="per round, same round"),
+        row("3", "ratio: KVManagerClient.decode p50 / in-process p50", s["ratio_client_inproc"], "x"),
+        row("3", "ratio: nested ops p50 / columnar p50 (what columns save)", s["ratio_nested_raw"], "x"),
+        row("3", "256-op columnar Step p50 minus GetStats p50", s["over_floor"], "ms",
+            note="the ops' own cost over the floor"),
+        row("4", "throughput, 256-op Steps, 1 client back-to-back", s["tput1"], "req-steps/s",
+            f">= {TARGET_REQUEST_STEPS_PER_S:,}", met=med("tput1") >= TARGET_REQUEST_STEPS_PER_S),
+        row("4", "  mean wall per Step in that run", s["tput1_step_ms"], "ms"),
+        row("4", "  server process CPU per Step (all threads)", s["server_cpu_ms"], "ms", note="/proc/PID/stat"),
+        row("4", "  client process CPU per Step", s["client_cpu_ms"], "ms", note="time.process_time"),
+        row("4", "throughput, 256-op Steps, 2 clients in threads", s["tput2"], "req-steps/s",
+            f">= {TARGET_REQUEST_STEPS_PER_S:,}", "own connection and request set each",
+            met=med("tput2") >= TARGET_REQUEST_STEPS_PER_S),
+    ]
+    p = results.phases
+    mean_total = statistics.median(p["pipeline:mean"].p50)
+    lines += [
+        "",
+        "## Where a 256-op decode Step's time goes (servicer pipeline in-process, no gRPC)",
+        "",
+        "service.Step / _apply inlined phase by phase on another identical core, fed the same serialized",
+        "request bytes; the client rows are client.decode's own proto work on the same bytes. p50 and mean",
+        "over the round's Steps (1 in 16 Steps fills a block in every request: delta, events and",
+        "decode_results grow there), medians over rounds.",
+        "",
+        "| phase | p50 | p99 | mean | unit | share of mean pipeline |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for key, label in PHASES:
+        mean = statistics.median(p[key + ":mean"].p50)
+        lines.append(f"| {label} | {fmt(statistics.median(p[key].p50))} | {fmt(statistics.median(p[key].p99))} | "
+                     f"{fmt(mean)} | us | {mean / mean_total:.1%} |")
+    for key, label in (("pipeline", "**sum of the server phases**"),
+                       ("whole", "servicer.Step end to end (FromString .. SerializeToString)"),
+                       ("whole_nogc", "  the same with gc disabled")):
+        lines.append(f"| {label} | {fmt(statistics.median(p[key].p50))} | {fmt(statistics.median(p[key].p99))} | "
+                     f"{fmt(statistics.median(p[key + ':mean'].p50))} | us | |")
+    for key, label in CLIENT_PHASES:
+        lines.append(f"| {label} | {fmt(statistics.median(p[key].p50))} | {fmt(statistics.median(p[key].p99))} | "
+                     f"{fmt(statistics.median(p[key + ':mean'].p50))} | us | |")
+    whole_ms = statistics.median(p["whole:mean"].p50) / 1e3
+    lines += [
+        "",
+        f"gRPC's share, by difference: server CPU per Step {fmt(med('server_cpu_ms'))} ms minus the servicer's mean "
+        f"{fmt(whole_ms)} ms = {fmt(med('server_cpu_ms') - whole_ms)} ms per Step in gRPC (C-core + Python "
+        f"glue, thread hand-offs); the columnar round trip p50 {fmt(med('raw256'))} ms vs the servicer's p50 "
+        f"{fmt(statistics.median(p['whole'].p50) / 1e3)} ms.",
+    ]
+    return lines
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a fast smoke run: fewer rounds and calls")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 5, quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed calls per series and round (default 400, quick 60)")
+    parser.add_argument("--profile-server", type=Path, default=None,
+                        help="also run py-spy on the server during 256-op Steps; raw stacks go to this file")
+    parser.add_argument("--profile-seconds", type=float, default=None, help="py-spy duration (default 8, quick 3)")
+    parser.add_argument("--profile-all-threads", action="store_true",
+                        help="sample every active thread, not only the one holding the GIL (py-spy without --gil)")
+    parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second (default %(default)s)")
+    parser.add_argument("--profile-nonblocking", action="store_true",
+                        help="py-spy --nonblocking: no pauses, but racy stacks and line numbers")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    quick = args.quick
+    plan = Plan(
+        rounds=args.rounds or (2 if quick else 5),
+        warmup=8 if quick else 32,
+        steps=args.steps or (60 if quick else 400),
+        floor_calls=300 if quick else 2000,
+        throughput_steps=100 if quick else 500,
+        profile_s=args.profile_seconds or (3 if quick else 8),
+    )
+    started = now_ns()
+    server = Server(plan.num_blocks)
+    try:
+        client = make_client(server.address)
+        client2 = make_client(server.address, own_connection=True)
+        config = server_config(plan.num_blocks)
+        manager = KVCacheManager(config)
+        servicer = KVManagerServicer(KVCacheManager(config), "rpc-bench", 1, ServiceLimits())
+        results = Results()
+        for index in range(plan.rounds):
+            round_start = now_ns()
+            run_round(index, plan, server, client, client2, manager, servicer, results)
+            print(f"round {index + 1}/{plan.rounds}: {(now_ns() - round_start) / 1e9:.1f} s, 256-op Step p50 "
+                  f"{results.get('raw256').p50[-1]:.2f} ms, in-process {results.get('inproc').p50[-1]:.2f} ms",
+                  file=sys.stderr, flush=True)
+        profile_lines = []
+        if args.profile_server is not None:
+            profile_lines = profile_server(
+                server, client, plan, args.profile_server, not args.profile_all_threads, args.profile_rate, args.profile_nonblocking
+            )
+        client.close()
+        client2.close()
+    finally:
+        server.stop()
+    command = shlex.join(["python", *sys.argv])
+    print("\n".join(render(results, plan, command, (now_ns() - started) / 1e9, server.argv) + profile_lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
