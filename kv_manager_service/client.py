@@ -53,6 +53,9 @@ _ERRORS_BY_REASON = {
 }
 
 
+_STATUSES = {int(status): status for status in AllocateStatus}
+
+
 class DecodeTableChange(NamedTuple):
     op_index: int
     group_id: int
@@ -156,7 +159,7 @@ class KVManagerClient:
         decode = response.decode
         return DecodeStepResult(
             response.step_id,
-            tuple(AllocateStatus(s) for s in decode.statuses),
+            tuple(map(_STATUSES.__getitem__, decode.statuses)),
             tuple(decode.num_computed_tokens),
             tuple(
                 DecodeTableChange(c.op_index, c.group_id, c.new_block_index, tuple(c.new_block_ids))

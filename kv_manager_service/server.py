@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 import socket
@@ -90,6 +91,11 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
 def serve(config: KVCacheConfig, options: ServerOptions) -> int:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     running = start_server(config, options)
+    # The pool's blocks live as long as the process: keep them out of the
+    # collector's generations, and collect young objects less often. With the
+    # defaults a 120k-block server paused ~30 ms every few hundred steps.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -26,9 +26,7 @@ from kv_manager_service import convert
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core import (
     AllocateOp,
-    AllocateStatus,
     ForkOp,
-    FreeOp,
     InvalidArgumentError,
     KVCacheError,
     KVCacheManager,
@@ -36,6 +34,7 @@ from kv_manager_service.core import (
     RequestNotFoundError,
     StepResult,
 )
+from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.ops import Op
 from kv_manager_service.status import abort
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -87,7 +86,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         self.limits = limits
         self.lock = threading.Lock()
         self.steps: BroadcastLog[pb.StepDelta] = BroadcastLog(limits.step_retention)
-        self.events: BroadcastLog[pb.KVEvent] = BroadcastLog(limits.event_retention)
+        self.events: BroadcastLog[KVEvent] = BroadcastLog(limits.event_retention)
         self.worker_acks: dict[str, int] = {}
 
     def close(self) -> None:
@@ -130,52 +129,20 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             except KVCacheError as error:
                 error.field = _wire_field(error.field, num_nested, unary)
                 raise
-            self.steps.append(self._delta(ops, result, admitted))
+            children = {
+                child_id: self.manager.block_table(child_id)
+                for op in ops
+                if type(op) is ForkOp
+                for child_id in op.child_request_ids
+            }
+            self.steps.append(convert.step_delta(ops, result, admitted, children))
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
             self._publish_events()
         return result
 
-    def _delta(self, ops: Sequence[Op], result: StepResult, admitted: set[str]) -> pb.StepDelta:
-        """What the step changed in the block tables, for workers."""
-        delta = pb.StepDelta(step_id=result.step_id)
-        for op, op_result in zip(ops, result.results):
-            kind = type(op)
-            if kind is AllocateOp:
-                if op_result.status is not AllocateStatus.OK:
-                    continue
-                if op.request_id in admitted:
-                    row = delta.rows_added.add(
-                        request_id=op.request_id,
-                        num_computed_tokens=op_result.num_computed_tokens + op_result.num_scheduled_tokens,
-                    )
-                    for group in op_result.groups:
-                        row.groups.add(group_id=group.group_id, block_ids=group.hit_block_ids + group.new_block_ids)
-                else:
-                    for group in op_result.groups:
-                        if group.new_block_ids:
-                            delta.blocks_appended.add(
-                                request_id=op.request_id,
-                                group_id=group.group_id,
-                                new_block_index=group.new_block_index,
-                                block_ids=group.new_block_ids,
-                            )
-                for copy in op_result.copies:
-                    delta.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
-            elif kind is FreeOp:
-                delta.requests_freed.extend(op.request_ids)
-            else:
-                assert kind is ForkOp
-                for child_id in op.child_request_ids:
-                    convert.block_table(self.manager.block_table(child_id), delta.rows_added.add())
-        return delta
-
     def _publish_events(self) -> None:
-        events = self.manager.take_events()
-        if events:
-            first = self.events.last_id + 1
-            self.events.extend(
-                [convert.kv_event(e, first + i, self.replica_id, self.incarnation) for i, e in enumerate(events)]
-            )
+        # Kept as core events: converted when a watcher sends them, off the lock.
+        self.events.extend(self.manager.take_events())
 
     @_unary
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
@@ -305,7 +272,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                     )
                 self._check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
                 self.worker_acks.setdefault(request.worker_id, first - 1)
-            yield from self._follow(self.steps, first, context)
+            for _, delta in self._follow(self.steps, first, context):
+                yield delta
         except KVCacheError as error:
             abort(context, error)
 
@@ -314,7 +282,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             # 0 means everything still retained.
             first = request.from_sequence or self.events.first_retained_id
             self._check_retained(self.events, first, "from_sequence", "resync with FindCacheHit / GetStats")
-            yield from self._follow(self.events, first, context)
+            for sequence, event in self._follow(self.events, first, context):
+                yield convert.kv_event(event, sequence, self.replica_id, self.incarnation)
         except KVCacheError as error:
             abort(context, error)
 
@@ -333,7 +302,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                     if not context.is_active():
                         return
                     continue
-                yield entry[1]
+                yield entry
         except LogTruncatedError as e:
             raise OutOfRangeError(
                 f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", "from"

@@ -25,9 +25,9 @@ from kv_manager_service.core.errors import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.events import KVEvent
-from kv_manager_service.core.groups import cdiv, make_group_manager
+from kv_manager_service.core.groups import make_group_manager
 from kv_manager_service.core.groups.cross_attention import CrossAttentionManager
-from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, BlockHasher, HashExtras, LoraRef, MMFeature
+from kv_manager_service.core.hashing import NO_EXTRAS, BlockHasher, HashExtras, LoraRef, MMFeature
 from kv_manager_service.core.ops import (
     AllocateOp,
     AllocateResult,

@@ -634,19 +634,19 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         if m is None:
             return
-        for event in m.take_events():
-            if isinstance(event, BlockStored):
-                assert event.block_size == m.config.groups[event.group_id].block_size
-                assert len(event.block_hashes) >= 1
-                for block_hash in event.block_hashes:
-                    self.event_model[(event.group_id, block_hash)] += 1
-            elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    key = (event.group_id, block_hash)
+        for kv_event in m.take_events():
+            if isinstance(kv_event, BlockStored):
+                assert kv_event.block_size == m.config.groups[kv_event.group_id].block_size
+                assert len(kv_event.block_hashes) >= 1
+                for block_hash in kv_event.block_hashes:
+                    self.event_model[(kv_event.group_id, block_hash)] += 1
+            elif isinstance(kv_event, BlockRemoved):
+                for block_hash in kv_event.block_hashes:
+                    key = (kv_event.group_id, block_hash)
                     assert self.event_model[key] > 0, f"removed {key} that was never stored"
                     self.event_model[key] -= 1
             else:
-                assert isinstance(event, AllBlocksCleared)
+                assert isinstance(kv_event, AllBlocksCleared)
                 self.event_model.clear()
         self.event_model = +self.event_model
         assert self.event_model == cache_map_entries(m)
