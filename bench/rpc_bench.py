@@ -279,9 +279,9 @@ PHASES = (
     ("step_ops", "convert.step_ops: building 256 AllocateOps"),
     ("checks", "_apply: token/op limits + admitted set"),
     ("core", "core: KVCacheManager.step"),
-    ("delta", "service._delta: building the StepDelta"),
+    ("delta", "convert.step_delta: building the StepDelta"),
     ("log", "step log append (BroadcastLog)"),
-    ("events", "_publish_events: take_events + convert.kv_event"),
+    ("events", "_publish_events: take_events (converted when sent)"),
     ("decode_results", "convert.decode_results"),
     ("assemble", "StepResponse + decode.CopyFrom"),
     ("encode", "response encode: SerializeToString"),
@@ -316,7 +316,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
             t3 = now_ns()
             result = manager.step(ops)
             t4 = now_ns()
-            delta = servicer._delta(ops, result, admitted)
+            delta = convert.step_delta(ops, result, admitted, {})
             t5 = now_ns()
             servicer.steps.append(delta)
             t6 = now_ns()
