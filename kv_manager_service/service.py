@@ -272,7 +272,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                     )
                 self._check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
                 self.worker_acks.setdefault(request.worker_id, first - 1)
-            for _, delta in self._follow(self.steps, first, context):
+            for _, delta in self._follow(self.steps, first, "from_step_id", context):
                 yield delta
         except KVCacheError as error:
             abort(context, error)
@@ -282,7 +282,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             # 0 means everything still retained.
             first = request.from_sequence or self.events.first_retained_id
             self._check_retained(self.events, first, "from_sequence", "resync with FindCacheHit / GetStats")
-            for sequence, event in self._follow(self.events, first, context):
+            for sequence, event in self._follow(self.events, first, "from_sequence", context):
                 yield convert.kv_event(event, sequence, self.replica_id, self.incarnation)
         except KVCacheError as error:
             abort(context, error)
@@ -295,7 +295,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             raise OutOfRangeError(f"{field} {first} is no longer retained (oldest is {e.first_retained}); {hint}", field)
 
     @staticmethod
-    def _follow(log_: BroadcastLog, first: int, context: grpc.ServicerContext) -> Iterator:
+    def _follow(log_: BroadcastLog, first: int, field: str, context: grpc.ServicerContext) -> Iterator:
+        """(id, entry) from `first` on, until the client leaves or the log closes."""
         try:
             for entry in log_.follow(first):
                 if entry is None:
@@ -305,9 +306,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 yield entry
         except LogTruncatedError as e:
             raise OutOfRangeError(
-                f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", "from"
+                f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", field
             )
-
 
 
 def _wire_field(field: str | None, num_nested: int, unary: bool) -> str | None:
