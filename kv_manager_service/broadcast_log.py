@@ -72,6 +72,21 @@ class BroadcastLog(Generic[Item]):
             if first_id < self.first_retained_id:
                 raise LogTruncatedError(first_id, self.first_retained_id)
 
+    def read(self, first_id: int, max_items: int, timeout_s: float) -> list[tuple[int, Item]]:
+        """Up to `max_items` entries from `first_id` on; waits up to `timeout_s` for the first.
+
+        Raises LogTruncatedError if entry `first_id` was dropped.
+        """
+        with self._changed:
+            if first_id > self._last_id and not self._closed:
+                self._changed.wait(timeout_s)
+            if first_id < self.first_retained_id:
+                raise LogTruncatedError(first_id, self.first_retained_id)
+            entries = self._entries
+            offset = first_id - self.first_retained_id
+            end = min(len(entries), offset + max_items)
+            return [(first_id + i - offset, entries[i]) for i in range(offset, end)]
+
     def follow(self, first_id: int, poll_s: float = 0.5) -> Iterator[tuple[int, Item] | None]:
         """Yield (id, item) from `first_id` on, forever, until the log closes.
 

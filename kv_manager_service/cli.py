@@ -128,6 +128,16 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-message-bytes", type=_positive_int, default=64 << 20, help="largest gRPC message (default %(default)s)"
     )
+    serve.add_argument(
+        "--redis-url",
+        help="mirror the prefix index (hashes only) to this Redis, e.g. redis://host:6379/0; "
+        "without it the index stays in-process",
+    )
+    serve.add_argument("--model-name", default="default", help="namespaces the mirror's keys (default %(default)s)")
+    serve.add_argument(
+        "--lease-ttl-s", type=float, default=10.0,
+        help="the replica's lease in Redis expires after this long without a heartbeat (default %(default)s)",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     add_pool_flags(serve, default_num_blocks=16_384)
     return parser
@@ -148,6 +158,9 @@ def run_serve(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_message_bytes=args.max_message_bytes,
         limits=ServiceLimits(max_tokens_per_call=args.max_tokens_per_call, max_ops_per_step=args.max_ops_per_step),
+        redis_url=args.redis_url,
+        model_name=args.model_name,
+        lease_ttl_s=args.lease_ttl_s,
     )
     return serve(config, options)
 

@@ -35,6 +35,9 @@ class ServerOptions:
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # on SIGTERM, in-flight calls get this long
     limits: ServiceLimits = ServiceLimits()
+    redis_url: str | None = None  # None: no mirror, the index stays in-process
+    model_name: str = "default"  # namespaces the mirror's keys
+    lease_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,10 +56,12 @@ class RunningServer:
     address: str
 
     def stop(self, grace_s: float) -> None:
-        """Refuse new calls, end the streams, let in-flight calls finish."""
+        """Refuse new calls, end the streams, let in-flight calls finish, drop the lease."""
         self.health.enter_graceful_shutdown()
         self.servicer.close()
         self.server.stop(grace_s).wait()
+        if self.servicer.mirror is not None:
+            self.servicer.mirror.stop()
 
 
 def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer:
@@ -83,9 +88,49 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     if port == 0:
         raise OSError(f"could not bind {options.host}:{options.port}")
     server.start()
+    address = f"{options.host}:{port}"
+    servicer.address = address
+    if options.redis_url:
+        _start_mirror(servicer, config, options)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, servicer, health_servicer, f"{options.host}:{port}")
+    return RunningServer(server, servicer, health_servicer, address)
+
+
+def _start_mirror(servicer: KVManagerServicer, config: KVCacheConfig, options: ServerOptions) -> None:
+    """Turn the Redis mirror on. Redis may be down now: the writer retries in the background."""
+    try:
+        import redis
+    except ImportError as e:
+        raise ValueError("--redis-url needs the redis package: pip install 'kv-manager-service[redis]'") from e
+    from kv_manager_service.cluster import ClusterIndex
+    from kv_manager_service.mirror import MirrorOptions, MirrorWriter
+    from kv_manager_service.redis_schema import KeySchema
+
+    # Short timeouts: a slow Redis must not hold a lookup or the writer for long.
+    client = redis.Redis.from_url(options.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
+    servicer.mirror = MirrorWriter(
+        client,
+        schema,
+        servicer.replica_id,
+        servicer.incarnation,
+        servicer.events,
+        servicer.cached_snapshot,
+        servicer.lease,
+        MirrorOptions(lease_ttl_s=options.lease_ttl_s),
+    )
+    servicer.cluster = ClusterIndex(client, schema)
+    servicer.mirror.start()
+    log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), schema.namespace)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest
 
 
 def serve(config: KVCacheConfig, options: ServerOptions) -> int:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
@@ -34,11 +36,18 @@ from kv_manager_service.core import (
     RequestNotFoundError,
     StepResult,
 )
+from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.core.events import KVEvent
+from kv_manager_service.core.hashing import HashExtras
+from kv_manager_service.redis_schema import ClusterUnavailableError, Lease
 from kv_manager_service.core.ops import Op
 from kv_manager_service.status import abort
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the mirror needs the optional redis package
+    from kv_manager_service.cluster import ClusterIndex
+    from kv_manager_service.mirror import MirrorWriter
 
 log = logging.getLogger("kv_manager_service.service")
 
@@ -86,8 +95,13 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         self.limits = limits
         self.lock = threading.Lock()
         self.steps: BroadcastLog[pb.StepDelta] = BroadcastLog(limits.step_retention)
-        self.events: BroadcastLog[KVEvent] = BroadcastLog(limits.event_retention)
+        # (monotonic ns when logged, event)
+        self.events: BroadcastLog[tuple[int, KVEvent]] = BroadcastLog(limits.event_retention)
         self.worker_acks: dict[str, int] = {}
+        # Set by the server when the Redis mirror is on.
+        self.address = ""
+        self.mirror: MirrorWriter | None = None
+        self.cluster: ClusterIndex | None = None
 
     def close(self) -> None:
         """End every stream (on shutdown)."""
@@ -141,8 +155,25 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         return result
 
     def _publish_events(self) -> None:
-        # Kept as core events: converted when a watcher sends them, off the lock.
-        self.events.extend(self.manager.take_events())
+        # Kept as core events, stamped for the mirror's lag: converted when a
+        # watcher sends them, off the lock.
+        events = self.manager.take_events()
+        if events:
+            now = time.monotonic_ns()
+            self.events.extend([(now, event) for event in events])
+
+    def cached_snapshot(self) -> tuple[Counter, int]:
+        """The pool's cached (group, hash) counts and the last event they include."""
+        with self.lock:
+            counts: Counter = Counter()
+            for group_id, cached in enumerate(self.manager.pool.cached):
+                for block_hash, entry in cached.items():
+                    counts[(group_id, block_hash)] = 1 if isinstance(entry, KVCacheBlock) else len(entry)
+            return counts, self.events.last_id
+
+    def lease(self) -> Lease:
+        stats = self.manager.stats()
+        return Lease(self.replica_id, self.incarnation, self.address, stats.num_requests, stats.usage, stats.num_free_blocks)
 
     @_unary
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
@@ -216,9 +247,33 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         for group_id, block_ids in enumerate(hit.block_ids):
             response.groups.add(group_id=group_id, block_ids=block_ids)
         if request.cluster:
-            # Without a mirror, the cluster is this replica.
-            response.replicas.add(replica_id=self.replica_id, num_cached_tokens=hit.num_cached_tokens)
+            for replica_id, num_cached_tokens in self._cluster_hits(token_ids, lora, request.cache_salt, mm_features, hit):
+                response.replicas.add(replica_id=replica_id, num_cached_tokens=num_cached_tokens)
         return response
+
+    def _cluster_hits(self, token_ids, lora, cache_salt, mm_features, local_hit) -> list[tuple[str, int]]:
+        """Every live replica's longest cached prefix, from the mirror; without one (or
+        while Redis is unreachable), just this replica's."""
+        local = [(self.replica_id, local_hit.num_cached_tokens)]
+        if self.cluster is None or not token_ids:
+            return local
+        manager = self.manager
+        group = next((m for m in manager.managers if m.cacheable), None)
+        if group is None:
+            return local
+        extras = HashExtras(lora, cache_salt or None, mm_features)
+        hashes = manager.hasher.hash_blocks(manager.hasher.root_hash, token_ids, 0, extras)
+        k = group.hashes_per_block
+        # As for a local hit, at least one token is left to compute.
+        max_blocks = (len(token_ids) - 1) // group.block_size
+        try:
+            prefixes = self.cluster.lookup(group.group_id, hashes[k - 1 :: k][:max_blocks])
+        except ClusterUnavailableError as error:
+            if self.mirror is not None:
+                self.mirror.metrics.num_failures += 1
+            log.warning("cluster lookup failed (%s); answering for this replica only", error)
+            return local
+        return [(p.replica_id, p.num_cached_blocks * group.block_size) for p in sorted(prefixes, key=lambda p: p.replica_id)]
 
     @_unary
     def GetBlockTables(
@@ -244,7 +299,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         with self.lock:
             stats = self.manager.stats()
             last_step_id = self.manager.last_step_id
-        return pb.GetStatsResponse(
+        response = pb.GetStatsResponse(
             num_blocks=stats.num_blocks,
             num_free_blocks=stats.num_free_blocks,
             usage=stats.usage,
@@ -256,6 +311,14 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             last_step_id=last_step_id,
             last_event_sequence=self.events.last_id,
         )
+        if self.mirror is not None:
+            metrics = self.mirror.metrics
+            response.mirror_enabled = True
+            response.mirror_failures = metrics.num_failures
+            response.mirror_resyncs = metrics.num_resyncs
+            response.mirror_queue_depth = metrics.queue_depth
+            response.mirror_lag_ms = metrics.lag_ms
+        return response
 
     # -- streams -------------------------------------------------------------------
 
@@ -282,7 +345,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             # 0 means everything still retained.
             first = request.from_sequence or self.events.first_retained_id
             self._check_retained(self.events, first, "from_sequence", "resync with FindCacheHit / GetStats")
-            for sequence, event in self._follow(self.events, first, "from_sequence", context):
+            for sequence, (_, event) in self._follow(self.events, first, "from_sequence", context):
                 yield convert.kv_event(event, sequence, self.replica_id, self.incarnation)
         except KVCacheError as error:
             abort(context, error)

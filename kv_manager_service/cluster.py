@@ -1,0 +1,89 @@
+"""Reading the Redis mirror: which live replica holds the longest prefix, and routing.
+
+A lookup is one pipelined round trip: the replica set, the leases of the
+replicas known so far, and the entry of every block hash of the request. A
+replica discovered by that round trip has its lease read by a second, small
+one (once). Per replica the prefix stops at its first missing block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import redis
+
+from kv_manager_service.redis_schema import ClusterUnavailableError, KeySchema, Lease
+
+
+@dataclass(frozen=True)
+class ReplicaPrefix:
+    replica_id: str
+    num_cached_blocks: int
+    lease: Lease
+
+
+class ClusterIndex:
+    """Longest cached prefix per live replica, from the mirror. Thread safe for reads."""
+
+    def __init__(self, client: redis.Redis, schema: KeySchema) -> None:
+        self.client = client
+        self.schema = schema
+        self._known_replicas: tuple[str, ...] = ()
+
+    def lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[ReplicaPrefix]:
+        """Per live replica, how many leading `block_hashes` of `group_id` it holds cached.
+
+        Raises ClusterUnavailableError when Redis cannot be read.
+        """
+        try:
+            return self._lookup(group_id, block_hashes)
+        except redis.RedisError as error:
+            raise ClusterUnavailableError(str(error)) from error
+
+    def _lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[ReplicaPrefix]:
+        schema = self.schema
+        known = self._known_replicas
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smembers(schema.replicas)
+        for replica_id in known:
+            pipe.get(schema.lease(replica_id))
+        for block_hash in block_hashes:
+            pipe.hgetall(schema.block(group_id, block_hash))
+        replies = pipe.execute()
+        members = sorted(_text(m) for m in replies[0])
+        leases = {r: Lease.from_json(r, text) for r, text in zip(known, replies[1 : 1 + len(known)]) if text}
+        entries = replies[1 + len(known) :]
+        new = [r for r in members if r not in known]
+        if new:
+            pipe = self.client.pipeline(transaction=False)
+            for replica_id in new:
+                pipe.get(schema.lease(replica_id))
+            for replica_id, text in zip(new, pipe.execute()):
+                if text:
+                    leases[replica_id] = Lease.from_json(replica_id, text)
+        self._known_replicas = tuple(members)
+
+        prefixes = []
+        for replica_id, lease in leases.items():
+            field = replica_id.encode()
+            incarnation = str(lease.incarnation).encode()
+            num_blocks = 0
+            for entry in entries:
+                if entry.get(field) != incarnation:
+                    break
+                num_blocks += 1
+            prefixes.append(ReplicaPrefix(replica_id, num_blocks, lease))
+        return prefixes
+
+
+def choose_replica(prefixes: Sequence[ReplicaPrefix]) -> str | None:
+    """The replica with the longest cached prefix; ties go to the least loaded (usage, then requests)."""
+    if not prefixes:
+        return None
+    best = min(prefixes, key=lambda p: (-p.num_cached_blocks, p.lease.usage, p.lease.num_requests, p.replica_id))
+    return best.replica_id
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

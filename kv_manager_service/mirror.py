@@ -1,0 +1,203 @@
+"""The writer of the Redis mirror: this replica's cached block hashes, in the background.
+
+It follows the service's event log (bounded: that is the pending queue) and
+writes the changes in pipelines; it is never on the RPC path. A block hash
+is published while at least one cached block of this replica carries it
+(the cache does not de-duplicate, so the writer counts). When Redis fails,
+or the writer falls behind the log's retention, it sets a resync flag; on
+recovery it takes a snapshot of the pool's cached set, deletes what it had
+published and no longer holds, writes the rest, and resumes the deltas, so
+the mirror converges to exactly what the pool holds. A heartbeat refreshes
+the replica's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import redis
+
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.redis_schema import KeySchema, Lease
+
+log = logging.getLogger("kv_manager_service.mirror")
+
+BlockKey = tuple[int, bytes]  # (group id, block hash)
+# A consistent view of the pool: its cached (group, hash) counts, and the
+# sequence of the last event they include.
+Snapshot = tuple[Counter, int]
+
+
+@dataclass(frozen=True)
+class MirrorOptions:
+    lease_ttl_s: float = 10.0
+    batch_events: int = 4096  # events per pipeline
+    retry_backoff_s: float = 0.2
+    max_retry_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s < 0.3:
+            raise ValueError(f"lease_ttl_s must be >= 0.3, got {self.lease_ttl_s}")
+
+
+@dataclass
+class MirrorMetrics:
+    num_failures: int = 0  # Redis calls that failed
+    num_resyncs: int = 0  # full re-publications
+    num_published: int = 0  # events applied to Redis
+    queue_depth: int = 0  # events logged but not yet written
+    lag_ms: float = 0.0  # age of the newest event written, when written
+
+
+class MirrorWriter:
+    def __init__(
+        self,
+        client: redis.Redis,
+        schema: KeySchema,
+        replica_id: str,
+        incarnation: int,
+        events: BroadcastLog[tuple[int, KVEvent]],
+        snapshot: Callable[[], Snapshot],
+        lease: Callable[[], Lease],
+        options: MirrorOptions = MirrorOptions(),
+    ) -> None:
+        self.client = client
+        self.schema = schema
+        self.replica_id = replica_id
+        self.incarnation = str(incarnation)
+        self.events = events
+        self.snapshot = snapshot
+        self.lease = lease
+        self.options = options
+        self.metrics = MirrorMetrics()
+        self._published: Counter = Counter()  # what Redis holds for us, as counts
+        self._unsure: set[BlockKey] = set()  # keys a failed pipeline may have written
+        self._next_sequence = 1
+        self._resync = True
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="mirror-writer", daemon=True),
+            threading.Thread(target=self._heartbeat_loop, name="mirror-heartbeat", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Stop writing and drop the lease, so readers stop trusting our entries now."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        try:
+            self.client.delete(self.schema.lease(self.replica_id))
+        except redis.RedisError:
+            pass
+
+    # -- writer --------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        backoff = self.options.retry_backoff_s
+        while not self._stop.is_set():
+            try:
+                if self._resync:
+                    self._republish()
+                self._write_batch()
+                backoff = self.options.retry_backoff_s
+            except LogTruncatedError:
+                log.warning("mirror fell behind the event log's retention; resyncing")
+                self._resync = True
+            except redis.RedisError as error:
+                self.metrics.num_failures += 1
+                self._resync = True
+                log.warning("mirror write failed (%s); retrying in %.1fs, then resyncing", error, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.options.max_retry_backoff_s)
+
+    def _republish(self) -> None:
+        """Make Redis hold exactly the pool's current cached set for this incarnation."""
+        counts, sequence = self.snapshot()
+        pipe = self.client.pipeline(transaction=False)
+        for group_id, block_hash in (self._published.keys() | self._unsure) - counts.keys():
+            pipe.hdel(self.schema.block(group_id, block_hash), self.replica_id)
+        for group_id, block_hash in counts:
+            pipe.hset(self.schema.block(group_id, block_hash), self.replica_id, self.incarnation)
+        pipe.execute()
+        self._published = Counter(counts)
+        self._unsure.clear()
+        self._next_sequence = sequence + 1
+        self._resync = False
+        self.metrics.num_resyncs += 1
+        log.info("mirror republished %d block hashes up to event %d", len(counts), sequence)
+
+    def _write_batch(self) -> None:
+        batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0.2)
+        self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
+        if not batch:
+            return
+        published = self._published
+        changes: dict[BlockKey, bool] = {}  # key -> present in Redis after this batch
+        for _, (_, event) in batch:
+            if type(event) is BlockStored:
+                for block_hash in event.block_hashes:
+                    key = (event.group_id, block_hash)
+                    published[key] += 1
+                    if published[key] == 1:
+                        changes[key] = True
+            elif type(event) is BlockRemoved:
+                for block_hash in event.block_hashes:
+                    key = (event.group_id, block_hash)
+                    published[key] -= 1
+                    if published[key] == 0:
+                        del published[key]
+                        changes[key] = False
+            else:
+                assert type(event) is AllBlocksCleared
+                changes.update(dict.fromkeys(published, False))
+                published.clear()
+        pipe = self.client.pipeline(transaction=False)
+        for (group_id, block_hash), present in changes.items():
+            key = self.schema.block(group_id, block_hash)
+            if present:
+                pipe.hset(key, self.replica_id, self.incarnation)
+            else:
+                pipe.hdel(key, self.replica_id)
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            # Part of the pipeline may have landed: the resync must clean these too.
+            self._unsure.update(changes)
+            raise
+        last_sequence, (appended_ns, _) = batch[-1]
+        self._next_sequence = last_sequence + 1
+        self.metrics.num_published += len(batch)
+        self.metrics.queue_depth = self.events.last_id - last_sequence
+        self.metrics.lag_ms = (time.monotonic_ns() - appended_ns) / 1e6
+
+    # -- lease -----------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        ttl_ms = int(self.options.lease_ttl_s * 1000)
+        first = True
+        while not self._stop.is_set():
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.set(self.schema.lease(self.replica_id), self.lease().to_json(), px=ttl_ms, get=True)
+                pipe.sadd(self.schema.replicas, self.replica_id)
+                previous, _ = pipe.execute()
+                if previous is None and not first:
+                    # Our lease vanished before its TTL: Redis restarted (or
+                    # lost data) without the writer seeing an error.
+                    log.warning("lease was missing in Redis; resyncing the mirror")
+                    self._resync = True
+                first = False
+            except redis.RedisError as error:
+                self.metrics.num_failures += 1
+                log.warning("lease heartbeat failed: %s", error)
+            self._stop.wait(self.options.lease_ttl_s / 3)

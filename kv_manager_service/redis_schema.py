@@ -1,0 +1,84 @@
+"""The Redis key schema of the prefix-index mirror, shared by writers and readers.
+
+Every key starts with a namespace that names the deployment: the model, the
+hash algorithm and a fingerprint of the hash seed (never the seed itself),
+so two models or two seeds never share an entry. Only block hashes are
+stored, never token ids. Every operation touches one key, so the keys shard
+across a Redis Cluster; writers batch them in pipelines.
+
+    {ns}:block:{group_id}:{hash hex}   HASH   replica_id -> incarnation
+        "this replica's incarnation holds a cached block with this hash"
+    {ns}:lease:{replica_id}             STRING JSON, expires after the lease TTL:
+        {"incarnation": int, "address": "host:port", "num_requests": int,
+         "usage": float, "num_free_blocks": int}
+    {ns}:replicas                       SET    every replica id ever seen
+
+A reader trusts a block entry only if the replica's lease is alive and names
+the same incarnation: entries of dead replicas, or of a replica's earlier
+life, are ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+class ClusterUnavailableError(Exception):
+    """The mirror could not be read (Redis down or slow)."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    replica_id: str
+    incarnation: int
+    address: str
+    num_requests: int
+    usage: float
+    num_free_blocks: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "incarnation": self.incarnation,
+                "address": self.address,
+                "num_requests": self.num_requests,
+                "usage": self.usage,
+                "num_free_blocks": self.num_free_blocks,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, replica_id: str, text: str | bytes) -> "Lease":
+        data = json.loads(text)
+        return cls(
+            replica_id,
+            int(data["incarnation"]),
+            str(data.get("address", "")),
+            int(data.get("num_requests", 0)),
+            float(data.get("usage", 0.0)),
+            int(data.get("num_free_blocks", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class KeySchema:
+    model: str
+    hash_algorithm: str
+    hash_seed: str | None = None
+
+    @property
+    def namespace(self) -> str:
+        seed_tag = hashlib.sha256(self.hash_seed.encode()).hexdigest()[:12] if self.hash_seed else "noseed"
+        return f"kvcache:{self.model}:{self.hash_algorithm}:{seed_tag}"
+
+    def block(self, group_id: int, block_hash: bytes) -> str:
+        return f"{self.namespace}:block:{group_id}:{block_hash.hex()}"
+
+    def lease(self, replica_id: str) -> str:
+        return f"{self.namespace}:lease:{replica_id}"
+
+    @property
+    def replicas(self) -> str:
+        return f"{self.namespace}:replicas"
