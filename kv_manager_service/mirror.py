@@ -128,7 +128,11 @@ class MirrorWriter:
             pipe.hdel(self.schema.block(group_id, block_hash), self.replica_id)
         for group_id, block_hash in counts:
             pipe.hset(self.schema.block(group_id, block_hash), self.replica_id, self.incarnation)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            self._unsure.update(counts)  # these may have landed; the retry deletes what the pool no longer holds
+            raise
         self._published = Counter(counts)
         self._unsure.clear()
         self._next_sequence = sequence + 1

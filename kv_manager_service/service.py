@@ -273,7 +273,10 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 self.mirror.metrics.num_failures += 1
             log.warning("cluster lookup failed (%s); answering for this replica only", error)
             return local
-        return [(p.replica_id, p.num_cached_blocks * group.block_size) for p in sorted(prefixes, key=lambda p: p.replica_id)]
+        # This replica answers for itself from its own pool: exact, and present
+        # even while its lease is being re-written.
+        others = [(p.replica_id, p.num_cached_blocks * group.block_size) for p in prefixes if p.replica_id != self.replica_id]
+        return sorted(others + local)
 
     @_unary
     def GetBlockTables(

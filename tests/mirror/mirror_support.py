@@ -1,0 +1,492 @@
+"""Helpers of the Redis-mirror tests: a real redis-server, real replica processes, polling.
+
+Nothing here fakes Redis: `RedisServer` runs the `redis-server` binary on a
+free port (no persistence, so a SIGKILL loses everything, as a crashed
+cache would), and `ReplicaFactory` starts `kv-manager serve` subprocesses
+exactly as a user would, reading stdout until the ready line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterable, Sequence, TypeVar
+
+import grpc
+import redis
+
+from kv_manager_service.client import KVManagerClient
+from kv_manager_service.core import AllocateStatus
+from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm
+from kv_manager_service.redis_schema import KeySchema
+from kvcache.v1 import kv_manager_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+REDIS_SERVER = shutil.which("redis-server")
+
+READY_PREFIX = "KV manager listening on "
+START_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 10.0  # the server's grace is 5 s; the mirror's stop adds little
+CALL_TIMEOUT_S = 10.0
+BLOCK_SIZE = 16
+LEASE_TTL_S = 1.0
+CONVERGE_TIMEOUT_S = 20.0  # generous: 2 slow cores, a writer that backs off up to 2 s
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def namespace(model_name: str = "default", seed: str | None = None) -> str:
+    return KeySchema(model_name, HashAlgorithm.SHA256_CBOR.value, seed).namespace
+
+
+def block_hashes(token_ids: Sequence[int], seed: str | None = None) -> list[bytes]:
+    """The chained sha256_cbor hashes of every full 16-token block, as the replicas compute them."""
+    hasher = BlockHasher(BLOCK_SIZE, HashAlgorithm.SHA256_CBOR, seed)
+    return list(hasher.hash_blocks(hasher.root_hash, list(token_ids)))
+
+
+def prompt(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32000) for _ in range(num_tokens)]
+
+
+def wait_until(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float, what: str) -> T:
+    """Poll `probe` until `done(value)`; fail with the last value seen after `timeout_s`.
+
+    The deadline only bounds the wait: no test asserts how long anything took.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last value: {value!r}")
+        time.sleep(0.05)
+
+
+# -- Redis --------------------------------------------------------------------------
+
+
+class RedisServer:
+    """One redis-server process on a fixed port; kill (SIGKILL) and restart on the same port."""
+
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        assert REDIS_SERVER is not None
+        self.directory = directory
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+        self.num_starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert self.process is None or self.process.poll() is not None, "already running"
+        log_path = self.directory / f"redis-{self.port}-{self.num_starts}.log"
+        self.num_starts += 1
+        argv = [
+            REDIS_SERVER, "--port", str(self.port), "--save", "", "--appendonly", "no",
+            "--bind", "127.0.0.1", "--dir", str(self.directory),
+        ]
+        with open(log_path, "wb") as log_file:
+            self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + 10.0
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError(f"redis-server exited {self.process.returncode}:\n{log_path.read_text()}")
+            try:
+                if client.ping():
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"redis-server on port {self.port} did not answer PING\n{log_path.read_text()}")
+            time.sleep(0.02)
+        client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: the data is gone (no persistence), connections drop."""
+        assert self.process is not None and self.process.poll() is None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open but nothing is answered (a Redis that is stuck, not gone)."""
+        assert self.process is not None and self.process.poll() is None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, db=0, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+
+def replica_block_set(client: redis.Redis, ns: str, replica_id: str, incarnation: int, group_id: int = 0) -> set[bytes]:
+    """The block hashes Redis says `replica_id` holds under `incarnation`."""
+    keys = list(client.scan_iter(match=f"{ns}:block:{group_id}:*", count=1000))
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.hget(key, replica_id)
+    found = set()
+    prefix = f"{ns}:block:{group_id}:"
+    for key, value in zip(keys, pipe.execute()):
+        if value is not None and value.decode() == str(incarnation):
+            found.add(bytes.fromhex(key.decode()[len(prefix):]))
+    return found
+
+
+def all_redis_blobs(client: redis.Redis) -> dict[bytes, list[bytes]]:
+    """Every key and every byte string stored under it (fields, values, members)."""
+    blobs: dict[bytes, list[bytes]] = {}
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key).decode()
+        if kind == "hash":
+            values = [b for pair in client.hgetall(key).items() for b in pair]
+        elif kind == "string":
+            value = client.get(key)
+            values = [] if value is None else [value]
+        elif kind == "set":
+            values = list(client.smembers(key))
+        elif kind == "list":
+            values = client.lrange(key, 0, -1)
+        elif kind == "zset":
+            values = [m for m, _ in client.zrange(key, 0, -1, withscores=True)]
+        elif kind == "none":  # expired meanwhile
+            continue
+        else:
+            raise AssertionError(f"unexpected Redis type {kind} for {key!r}")
+        blobs[key] = values
+    return blobs
+
+
+# -- replicas -----------------------------------------------------------------------
+
+
+class Replica:
+    """One running `kv-manager serve` subprocess and a client to it."""
+
+    def __init__(self, process: subprocess.Popen, address: str, log_path: Path, argv: list[str], replica_id: str) -> None:
+        self.process = process
+        self.address = address
+        self.log_path = log_path
+        self.argv = argv
+        self.replica_id = replica_id
+        self.client = KVManagerClient(address, timeout_s=CALL_TIMEOUT_S)
+        self.killed = False
+        self.returncode: int | None = None
+        self.incarnation = self.client.get_config().incarnation
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self.client.stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT_S)
+
+    def cluster(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """FindCacheHit(cluster=true): replica id -> cached tokens (fails on a duplicate id)."""
+        _, replicas = self.client.find_cache_hit(token_ids, cluster=True)
+        answer = {r.replica_id: r.num_cached_tokens for r in replicas}
+        assert len(answer) == len(replicas), f"a replica was reported twice: {replicas}"
+        return answer
+
+    def cache(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Run the whole prompt as one request, then free it: its full blocks stay cached."""
+        result = self.client.allocate(request_id, token_ids, num_new_tokens=len(token_ids))
+        assert result.status is AllocateStatus.OK, result
+        self.client.free([request_id])
+
+    def kill(self) -> None:
+        self.killed = True
+        self.process.send_signal(signal.SIGKILL)
+        self.returncode = self.process.wait(timeout=10)
+        self.client.close()
+
+    def stop(self) -> int:
+        """SIGTERM, then wait for the exit (killed if it hangs)."""
+        if self.returncode is not None:
+            return self.returncode
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.returncode = self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.returncode = -9
+            raise AssertionError(f"replica {self.replica_id} did not exit within {SHUTDOWN_TIMEOUT_S}s of SIGTERM\n{self.log()}")
+        finally:
+            if self.process.stdout is not None:
+                self.process.stdout.close()
+        return self.returncode
+
+
+class ReplicaFactory:
+    """Starts replicas; `close` stops every one and checks the survivors exited 0 without a traceback."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.replicas: list[Replica] = []
+        self._count = 0
+
+    def argv(
+        self, replica_id: str, redis_url: str | None, num_blocks: int, model_name: str | None, extra: Iterable[str]
+    ) -> list[str]:
+        argv = [
+            sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0",
+            "--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--replica-id", replica_id,
+        ]
+        if redis_url is not None:
+            argv += ["--redis-url", redis_url, "--lease-ttl-s", str(LEASE_TTL_S)]
+        if model_name is not None:
+            argv += ["--model-name", model_name]
+        return argv + list(extra)
+
+    def start(
+        self,
+        replica_id: str,
+        redis_url: str | None,
+        num_blocks: int = 64,
+        model_name: str | None = None,
+        extra: Iterable[str] = (),
+    ) -> Replica:
+        spec = dict(replica_id=replica_id, redis_url=redis_url, num_blocks=num_blocks, model_name=model_name, extra=extra)
+        return self.start_many([spec])[0]
+
+    def start_many(self, specs: Sequence[dict]) -> list[Replica]:
+        """Start several replicas at once (their imports overlap), in spec order.
+
+        Each spec holds `start`'s arguments: replica_id, redis_url and optionally
+        num_blocks, model_name, extra.
+        """
+        launched = []
+        for spec in specs:
+            replica_id = spec["replica_id"]
+            argv = self.argv(
+                replica_id, spec["redis_url"], spec.get("num_blocks", 64), spec.get("model_name"), spec.get("extra", ())
+            )
+            log_path = self.directory / f"replica-{self._count}-{replica_id}.log"
+            self._count += 1
+            with open(log_path, "wb") as log_file:
+                process = subprocess.Popen(
+                    argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL
+                )
+            launched.append((process, log_path, argv, replica_id))
+        started = []
+        try:
+            for process, log_path, argv, replica_id in launched:
+                address = _read_ready_line(process, log_path, argv)
+                replica = Replica(process, address, log_path, argv, replica_id)
+                self.replicas.append(replica)
+                started.append(replica)
+        except BaseException:
+            for process, *_ in launched:
+                if process.poll() is None and not any(r.process is process for r in self.replicas):
+                    process.kill()
+                    process.wait(timeout=10)
+            raise
+        return started
+
+    def close(self) -> list[str]:
+        failures = []
+        for replica in self.replicas:
+            try:
+                code = replica.stop()
+            except AssertionError as error:
+                failures.append(str(error))
+                continue
+            if replica.killed:
+                continue
+            log = replica.log()
+            if code != 0:
+                failures.append(f"replica {replica.replica_id} exited {code} after SIGTERM\n{log}")
+            elif "Traceback" in log or "bug in" in log:
+                failures.append(f"replica {replica.replica_id} logged an internal error:\n{log}")
+        self.replicas.clear()
+        return failures
+
+
+def _read_ready_line(process: subprocess.Popen, log_path: Path, argv: list[str]) -> str:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    buffer = b""
+    fd = process.stdout.fileno()
+    while b"\n" not in buffer:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            process.kill()
+            process.wait(timeout=10)
+            raise AssertionError(f"{argv} printed no ready line in {START_TIMEOUT_S}s\n{log_path.read_text()}")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            code = process.wait(timeout=10)
+            raise AssertionError(f"{argv} exited {code} before it was ready\n{log_path.read_text(errors='replace')}")
+        buffer += chunk
+    line = buffer.split(b"\n", 1)[0].decode()
+    assert line.startswith(READY_PREFIX), f"unexpected first line {line!r}"
+    return line[len(READY_PREFIX):].strip()
+
+
+# -- the replica's own view: events -------------------------------------------------
+
+
+def cached_set_from_events(replica: Replica, up_to_sequence: int, group_id: int = 0) -> set[bytes]:
+    """The replica's cached hashes, replayed from its WatchEvents stream from sequence 1.
+
+    Fails if the stream does not start at 1 (events were dropped from the
+    retained window: the reconstruction would not be exact) or skips a number.
+    """
+    counts: Counter = Counter()
+    if up_to_sequence == 0:
+        return set()
+    stream = replica.client.stub.WatchEvents(pb.WatchEventsRequest(from_sequence=0), timeout=30.0)
+    expected = 1
+    try:
+        for event in stream:
+            assert event.sequence == expected, f"event {event.sequence} where {expected} was expected"
+            assert event.replica_id == replica.replica_id and event.incarnation == replica.incarnation, event
+            kind = event.WhichOneof("event")
+            if kind == "block_stored":
+                if event.block_stored.group_id == group_id:
+                    counts.update(event.block_stored.block_hashes)
+            elif kind == "block_removed":
+                if event.block_removed.group_id == group_id:
+                    for block_hash in event.block_removed.block_hashes:
+                        assert counts[block_hash] > 0, f"event {event.sequence} removes {block_hash.hex()} never stored"
+                        counts[block_hash] -= 1
+                        if counts[block_hash] == 0:
+                            del counts[block_hash]
+            else:
+                assert kind == "all_blocks_cleared", event
+                counts.clear()
+            if event.sequence == up_to_sequence:
+                break
+            expected += 1
+    finally:
+        stream.cancel()
+    return set(counts)
+
+
+# -- load ---------------------------------------------------------------------------
+
+
+class LoadThread(threading.Thread):
+    """allocate / decode / free loops (with shared prefixes, evictions and resets) against one replica.
+
+    Every RPC error is recorded: the test asserts there were none.
+    """
+
+    def __init__(self, replica: Replica, seed: int) -> None:
+        super().__init__(name=f"load-{replica.replica_id}", daemon=True)
+        self.replica = replica
+        self.seed = seed
+        self.stop_event = threading.Event()
+        self.num_iterations = 0
+        self.num_cluster_lookups = 0
+        self.num_resets = 0
+        self.errors: list[str] = []
+        self.answers_without_self: list = []
+        # Its own channel: the test thread uses the replica's client meanwhile.
+        self.client = KVManagerClient(replica.address, timeout_s=CALL_TIMEOUT_S)
+
+    def run(self) -> None:
+        rng = random.Random(self.seed)
+        bases = [prompt(self.seed * 100 + i, BLOCK_SIZE * rng.randint(1, 4)) for i in range(6)]
+        live: list[str] = []
+        client = self.client
+        n = 0
+        try:
+            while not self.stop_event.is_set():
+                n += 1
+                try:
+                    self._iteration(rng, bases, live, n)
+                except (grpc.RpcError, Exception) as error:  # noqa: BLE001 - every error is a failure
+                    self.errors.append(f"iteration {n}: {error!r}")
+                    if len(self.errors) > 20:
+                        return
+                self.num_iterations += 1
+        finally:
+            try:
+                if live:
+                    client.free(live)
+            except Exception as error:  # noqa: BLE001
+                self.errors.append(f"final free: {error!r}")
+            client.close()
+
+    def _iteration(self, rng: random.Random, bases: list[list[int]], live: list[str], n: int) -> None:
+        client = self.client
+        request_id = f"{self.name}-{n}"
+        tokens = bases[rng.randrange(len(bases))] + [rng.randrange(1, 32000) for _ in range(rng.randint(1, 40))]
+        result = client.allocate(request_id, tokens, num_new_tokens=len(tokens))
+        if result.status is AllocateStatus.OK:
+            live.append(request_id)
+        elif live:
+            client.free([live.pop(0)])
+        if live and rng.random() < 0.7:
+            for _ in range(rng.randint(1, 20)):
+                decoded = client.decode(live, [rng.randrange(1, 32000) for _ in live])
+                stuck = [rid for rid, status in zip(live, decoded.statuses) if status is not AllocateStatus.OK]
+                if stuck:
+                    client.free(stuck)
+                    live[:] = [rid for rid in live if rid not in stuck]
+                    break
+        while len(live) > 3:
+            client.free([live.pop(0)])
+        if n % 10 == 0:
+            self.replica_cluster_lookup(tokens)
+        if n % 60 == 0:
+            if live:
+                client.free(live)
+                live.clear()
+            if client.reset_prefix_cache():
+                self.num_resets += 1
+
+    def replica_cluster_lookup(self, tokens: Sequence[int]) -> None:
+        """FindCacheHit(cluster=true) must answer (no RPC error) with Redis up, down or restarting.
+
+        What it answers is checked elsewhere: here only the answers that omit
+        the answering replica itself are counted (see test_mirror_fencing).
+        """
+        hit, replicas = self.client.find_cache_hit(tokens, cluster=True)
+        if self.replica.replica_id not in [r.replica_id for r in replicas]:
+            self.answers_without_self.append((hit.num_cached_tokens, tuple(replicas)))
+        self.num_cluster_lookups += 1
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=30)
+        assert not self.is_alive(), "the load thread did not stop"

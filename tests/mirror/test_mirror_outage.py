@@ -1,0 +1,246 @@
+"""Redis fails under the replicas: they keep serving, and the mirror converges when it returns."""
+
+from __future__ import annotations
+
+import time
+
+from mirror_support import (
+    BLOCK_SIZE,
+    CONVERGE_TIMEOUT_S,
+    LoadThread,
+    RedisServer,
+    Replica,
+    cached_set_from_events,
+    namespace,
+    block_hashes,
+    prompt,
+    replica_block_set,
+    wait_until,
+)
+
+EVENT_RETENTION = 100_000  # ServiceLimits.event_retention, the serve default
+
+
+def _mirror_matches_pool(replica: Replica, redis_client, ns: str) -> tuple[bool, str]:
+    """Compare Redis with the replica's cached set replayed from its events (exact: from sequence 1)."""
+    stats = replica.stats()
+    last = stats.last_event_sequence
+    assert last < EVENT_RETENTION, "the event log dropped entries: the replay would not be exact"
+    expected = cached_set_from_events(replica, last)
+    mirrored = replica_block_set(redis_client, ns, replica.replica_id, replica.incarnation)
+    if mirrored == expected:
+        return True, ""
+    return False, (
+        f"{replica.replica_id} (events to {last}, queue depth {stats.mirror_queue_depth}): "
+        f"{len(expected)} cached, {len(mirrored)} mirrored, {len(mirrored - expected)} stale in Redis, "
+        f"{len(expected - mirrored)} missing from Redis"
+    )
+
+
+def _wait_converged(replicas_: list[Replica], redis_server: RedisServer, ns: str) -> None:
+    client = redis_server.client()
+    try:
+        def probe():
+            return [_mirror_matches_pool(r, client, ns) for r in replicas_]
+
+        wait_until(probe, lambda results: all(ok for ok, _ in results), CONVERGE_TIMEOUT_S, "the mirror to converge")
+    finally:
+        client.close()
+
+
+def test_redis_sigkill_under_load_then_mirror_converges_exactly(redis_server, replicas):
+    a, b = replicas.start_many(
+        [
+            dict(replica_id="replica-a", redis_url=redis_server.url, num_blocks=64),
+            dict(replica_id="replica-b", redis_url=redis_server.url, num_blocks=64),
+        ]
+    )
+    ns = namespace()
+    loads = [LoadThread(a, seed=1), LoadThread(b, seed=2)]
+    for load in loads:
+        load.start()
+    try:
+        def progress() -> list[int]:
+            return [load.num_iterations for load in loads]
+
+        # Load runs with Redis up, and the mirror publishes it.
+        wait_until(progress, lambda n: min(n) >= 100, 30, "the load to get going")
+        for replica in (a, b):
+            wait_until(
+                lambda: replica.stats().mirror_resyncs, lambda n: n >= 1, CONVERGE_TIMEOUT_S, "the first publication"
+            )
+        before_kill = progress()
+
+        redis_server.kill()
+        for replica in (a, b):
+            wait_until(
+                lambda: replica.stats().mirror_failures,
+                lambda n: n > 0,
+                CONVERGE_TIMEOUT_S,
+                f"{replica.replica_id} to count a mirror failure",
+            )
+        # Serving goes on through the outage (every RPC error is recorded by the load threads).
+        during = wait_until(
+            progress,
+            lambda n: all(x >= y + 150 for x, y in zip(n, before_kill)),
+            30,
+            "the load to progress while Redis is down",
+        )
+        assert [load.errors for load in loads] == [[], []]
+
+        redis_server.restart()
+        wait_until(
+            progress,
+            lambda n: all(x >= y + 150 for x, y in zip(n, during)),
+            30,
+            "the load to progress after Redis returned",
+        )
+    finally:
+        for load in loads:
+            load.stop()
+    assert [load.errors for load in loads] == [[], []], "RPCs failed while Redis was down or restarting"
+    assert all(load.num_cluster_lookups > 0 for load in loads)
+
+    _wait_converged([a, b], redis_server, ns)
+    for replica in (a, b):
+        stats = replica.stats()
+        assert stats.mirror_enabled
+        assert stats.mirror_failures > 0, stats
+        assert stats.mirror_resyncs >= 2, stats
+        wait_until(lambda: replica.stats().mirror_queue_depth, lambda d: d == 0, CONVERGE_TIMEOUT_S, "an empty queue")
+
+    # Nothing else lives in Redis: every block entry belongs to a live incarnation.
+    client = redis_server.client()
+    try:
+        live = {a.replica_id: str(a.incarnation).encode(), b.replica_id: str(b.incarnation).encode()}
+        for key in client.scan_iter(match=f"{ns}:block:*"):
+            fields = client.hgetall(key)
+            assert fields, key
+            for field, value in fields.items():
+                assert live.get(field.decode()) == value, (key, field, value)
+        assert {m.decode() for m in client.smembers(f"{ns}:replicas")} == {"replica-a", "replica-b"}
+        for replica in (a, b):
+            assert client.exists(f"{ns}:lease:{replica.replica_id}")
+    finally:
+        client.close()
+
+    # And the cluster answer agrees with each replica's own answer again.
+    probe = prompt(42, 3 * BLOCK_SIZE + 1)
+    a.cache("after-outage", probe)
+    wait_until(
+        lambda: b.cluster(probe),
+        lambda got: got == {"replica-a": 3 * BLOCK_SIZE, "replica-b": b.client.find_cache_hit(probe)[0].num_cached_tokens},
+        CONVERGE_TIMEOUT_S,
+        "a new prefix to be published after the outage",
+    )
+
+
+def test_idle_replica_republishes_after_redis_restart(redis_server, replicas):
+    """No events during the outage: the writer never fails a write, the vanished lease triggers the resync."""
+    a, b = replicas.start_many(
+        [
+            dict(replica_id="replica-a", redis_url=redis_server.url),
+            dict(replica_id="replica-b", redis_url=redis_server.url),
+        ]
+    )
+    tokens = prompt(5, 3 * BLOCK_SIZE + 1)
+    a.cache("warm", tokens)
+    wait_until(lambda: b.cluster(tokens), lambda got: got.get("replica-a") == 3 * BLOCK_SIZE, CONVERGE_TIMEOUT_S,
+               "the prefix to be published")
+    redis_server.kill()
+    redis_server.restart()  # empty: the prefix index and the leases are gone
+    wait_until(
+        lambda: b.cluster(tokens),
+        lambda got: got == {"replica-a": 3 * BLOCK_SIZE, "replica-b": 0},
+        CONVERGE_TIMEOUT_S,
+        "replica-a to re-publish its cached set into the restarted Redis",
+    )
+    client = redis_server.client()
+    try:
+        assert replica_block_set(client, namespace(), "replica-a", a.incarnation) == set(block_hashes(tokens))
+    finally:
+        client.close()
+    assert a.stats().mirror_resyncs >= 2
+
+
+def test_redis_down_at_start_serves_then_publishes_when_redis_comes_up(tmp_path, redis_factory, replicas):
+    redis_server = RedisServer(tmp_path)  # a free port where nothing listens yet
+    redis_factory.append(redis_server)
+    a = replicas.start("replica-a", redis_server.url)
+    tokens = prompt(7, 3 * BLOCK_SIZE + 5)
+
+    a.cache("while-down", tokens)
+    # The cluster answer falls back to this replica alone, without an error.
+    hit, cluster = a.client.find_cache_hit(tokens, cluster=True)
+    assert hit.num_cached_tokens == 3 * BLOCK_SIZE
+    assert [(r.replica_id, r.num_cached_tokens) for r in cluster] == [("replica-a", 3 * BLOCK_SIZE)]
+    stats = wait_until(a.stats, lambda s: s.mirror_failures > 0, CONVERGE_TIMEOUT_S, "a counted failure")
+    assert stats.mirror_enabled
+    resyncs_while_down = stats.mirror_resyncs  # an empty pool's first publication needs no Redis call
+
+    redis_server.start()
+    client = redis_server.client()
+    try:
+        ns = namespace()
+        wait_until(
+            lambda: replica_block_set(client, ns, "replica-a", a.incarnation),
+            lambda got: got == set(block_hashes(tokens)),
+            CONVERGE_TIMEOUT_S,
+            "the cached set to be published once Redis is up",
+        )
+        wait_until(lambda: client.exists(f"{ns}:lease:replica-a"), bool, CONVERGE_TIMEOUT_S, "the lease")
+        assert a.stats().mirror_resyncs > resyncs_while_down
+        # Deltas flow again after the first publication.
+        more = prompt(8, 2 * BLOCK_SIZE + 1)
+        a.cache("after-up", more)
+        wait_until(
+            lambda: replica_block_set(client, ns, "replica-a", a.incarnation),
+            lambda got: got == set(block_hashes(tokens)) | set(block_hashes(more)),
+            CONVERGE_TIMEOUT_S,
+            "a new prefix to be published",
+        )
+    finally:
+        client.close()
+
+
+def test_frozen_redis_does_not_slow_rpcs_and_the_mirror_converges_after(redis_server, replicas):
+    """A Redis that hangs (SIGSTOP) rather than refusing connections: the writer waits out its
+    1 s socket timeout in the background while RPCs go on at their usual speed."""
+    a, b = replicas.start_many(
+        [
+            dict(replica_id="replica-a", redis_url=redis_server.url, num_blocks=64),
+            dict(replica_id="replica-b", redis_url=redis_server.url, num_blocks=64),
+        ]
+    )
+    before = prompt(60, 2 * BLOCK_SIZE + 1)
+    a.cache("before", before)
+    wait_until(lambda: b.cluster(before), lambda got: got.get("replica-a") == 2 * BLOCK_SIZE, CONVERGE_TIMEOUT_S,
+               "the prefix to be published")
+    during = [prompt(61 + i, 2 * BLOCK_SIZE + 1) for i in range(6)]  # room for all: nothing is evicted
+    latencies = []
+    redis_server.pause()
+    try:
+        for i, tokens in enumerate(during):
+            for replica in (a, b):
+                start = time.monotonic()
+                replica.cache(f"during-{i}", tokens)
+                replica.client.find_cache_hit(tokens)
+                replica.client.stats()
+                latencies.append(time.monotonic() - start)
+            if i == 0:
+                # The writer is stuck on the frozen Redis meanwhile.
+                wait_until(a.log, lambda text: "mirror write failed" in text, CONVERGE_TIMEOUT_S,
+                           "the writer to time out on the frozen Redis")
+        # A cluster lookup cannot read Redis: it answers for this replica only, without an RPC error.
+        hit, cluster = a.client.find_cache_hit(before, cluster=True)
+        assert [(r.replica_id, r.num_cached_tokens) for r in cluster] == [("replica-a", hit.num_cached_tokens)]
+    finally:
+        redis_server.resume()
+    # The server's Redis client times out after 1 s: an RPC that waited on Redis would take that long.
+    assert max(latencies) < 0.9, f"RPCs slowed down while Redis was frozen: {sorted(latencies)[-5:]}"
+    assert a.stats().mirror_failures > 0
+
+    _wait_converged([a, b], redis_server, namespace())
+    wait_until(lambda: b.cluster(during[-1]), lambda got: got == {"replica-a": 2 * BLOCK_SIZE,
+                                                                   "replica-b": 2 * BLOCK_SIZE},
+               CONVERGE_TIMEOUT_S, "prefixes cached during the freeze to be reported")

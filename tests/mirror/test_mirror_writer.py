@@ -1,0 +1,253 @@
+"""The mirror writer in-process, against a real Redis, with exact control over when a write is lost.
+
+A stand-in pool (counts of cached hashes, and the bounded event log the
+service keeps) feeds a real `MirrorWriter`. A Redis client wrapper can make
+one pipeline of the writer land in Redis and then fail as if its reply had
+been lost (a timeout against a slow Redis), running a callback in between,
+so the races the writer must survive happen on cue. After every scenario
+Redis must hold exactly the pool's cached set: the issue's "the mirror
+converges to exactly what the pool holds".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import Counter
+from typing import Callable, Iterator
+
+import pytest
+import redis
+
+from kv_manager_service.broadcast_log import BroadcastLog
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_manager_service.mirror import MirrorOptions, MirrorWriter
+from kv_manager_service.redis_schema import KeySchema, Lease
+from mirror_support import replica_block_set, wait_until
+
+REPLICA = "writer-under-test"
+INCARNATION = 1_700_000_000_000_000_001
+SCHEMA = KeySchema("writer-test", "sha256_cbor")
+CONVERGE_S = 5.0
+
+
+def h(i: int) -> bytes:
+    return hashlib.sha256(f"block-{i}".encode()).digest()
+
+
+class StandInPool:
+    """The cached-hash counts of a pool and its event log, updated together under one lock."""
+
+    def __init__(self, retention: int = 100_000) -> None:
+        self.lock = threading.Lock()
+        self.counts: Counter = Counter()
+        self.events: BroadcastLog = BroadcastLog(retention)
+
+    def _log(self, event) -> None:
+        self.events.append((time.monotonic_ns(), event))
+
+    def store(self, *hashes: bytes) -> None:
+        with self.lock:
+            self.counts.update(hashes)
+            self._log(BlockStored(0, tuple(hashes), None, 16))
+
+    def remove(self, *hashes: bytes) -> None:
+        with self.lock:
+            for block_hash in hashes:
+                assert self.counts[block_hash] > 0
+                self.counts[block_hash] -= 1
+                if not self.counts[block_hash]:
+                    del self.counts[block_hash]
+            self._log(BlockRemoved(0, tuple(hashes)))
+
+    def clear(self) -> None:
+        with self.lock:
+            self.counts.clear()
+            self._log(AllBlocksCleared())
+
+    def snapshot(self) -> tuple[Counter, int]:
+        with self.lock:
+            return Counter({(0, block_hash): n for block_hash, n in self.counts.items()}), self.events.last_id
+
+    def cached(self) -> set[bytes]:
+        with self.lock:
+            return set(self.counts)
+
+
+class LosingRedis(redis.Redis):
+    """A client whose next matching writer pipeline lands, runs `then`, and fails as a lost reply."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trap: tuple[Callable[[list[tuple]], bool], Callable[[], None], bool] | None = None
+        self.sprung = threading.Event()
+
+    def set_trap(self, matches: Callable[[list[tuple]], bool], then: Callable[[], None], fail: bool = True) -> None:
+        self.sprung.clear()
+        self.trap = (matches, then, fail)
+
+    def pipeline(self, transaction=True, shard_hint=None):
+        pipe = super().pipeline(transaction, shard_hint)
+        original = pipe.execute
+        client = self
+
+        def execute(raise_on_error=True):
+            trap = client.trap
+            commands = [args for args, _ in pipe.command_stack]
+            if trap is None or threading.current_thread().name != "mirror-writer" or not trap[0](commands):
+                return original(raise_on_error)
+            client.trap = None
+            result = original(raise_on_error)  # the commands run in Redis ...
+            trap[1]()  # ... the pool moves on meanwhile ...
+            client.sprung.set()
+            if trap[2]:
+                raise redis.TimeoutError("injected: the reply was lost after Redis ran the pipeline")
+            return result
+
+        pipe.execute = execute
+        return pipe
+
+
+def hsets(block_hash: bytes) -> Callable[[list[tuple]], bool]:
+    key = SCHEMA.block(0, block_hash)
+    return lambda commands: any(args[0] == "HSET" and args[1] == key for args in commands)
+
+
+@pytest.fixture
+def rig(redis_server) -> Iterator[Callable[..., tuple[MirrorWriter, StandInPool, LosingRedis]]]:
+    made: list[tuple[MirrorWriter, redis.Redis]] = []
+
+    def make(pool: StandInPool | None = None, start: bool = True):
+        pool = pool or StandInPool()
+        client = LosingRedis.from_url(redis_server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        lease = Lease(REPLICA, INCARNATION, "127.0.0.1:1", 0, 0.0, 1)
+        writer = MirrorWriter(
+            client, SCHEMA, REPLICA, INCARNATION, pool.events, pool.snapshot, lambda: lease,
+            MirrorOptions(lease_ttl_s=1.0, retry_backoff_s=0.05, max_retry_backoff_s=0.2),
+        )
+        made.append((writer, client))
+        if start:
+            writer.start()
+        return writer, pool, client
+
+    yield make
+    for writer, client in made:
+        writer.stop()
+        client.close()
+
+
+def mirrored(redis_server) -> set[bytes]:
+    client = redis_server.client()
+    try:
+        return replica_block_set(client, SCHEMA.namespace, REPLICA, INCARNATION)
+    finally:
+        client.close()
+
+
+def wait_converged(redis_server, pool: StandInPool, writer: MirrorWriter) -> None:
+    def probe():
+        got = mirrored(redis_server)
+        want = pool.cached()
+        return {"stale": {x.hex()[:8] for x in got - want}, "missing": {x.hex()[:8] for x in want - got},
+                "queue_depth": writer.metrics.queue_depth, "resync_pending": writer._resync}
+
+    wait_until(probe, lambda d: not d["stale"] and not d["missing"] and d["queue_depth"] == 0 and not d["resync_pending"],
+               CONVERGE_S, "Redis to hold exactly the pool's cached set")
+
+
+def test_duplicate_hashes_are_counted_and_a_clear_then_store_in_one_batch_is_exact(redis_server, rig):
+    writer, pool, _ = rig()
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+    pool.store(h(1), h(2))
+    pool.store(h(2))  # the cache does not de-duplicate: two blocks carry h(2)
+    pool.remove(h(2))
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(1), h(2)}
+    pool.remove(h(2))
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(1)}
+    # Many changes in one batch: the writer must apply their net effect.
+    with pool.lock:  # hold the writer off so they all land in the same batch
+        pool.counts.update([h(3)])
+        pool._log(BlockStored(0, (h(3),), None, 16))
+        pool.counts.clear()
+        pool._log(AllBlocksCleared())
+        pool.counts.update([h(3), h(4)])
+        pool._log(BlockStored(0, (h(3), h(4)), None, 16))
+        pool.counts.subtract([h(4)])
+        del pool.counts[h(4)]
+        pool._log(BlockRemoved(0, (h(4),)))
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(3)}
+    assert writer.metrics.num_failures == 0
+
+
+def test_a_lost_reply_to_a_delta_batch_is_cleaned_up_by_the_resync(redis_server, rig):
+    writer, pool, client = rig()
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+    client.set_trap(hsets(h(7)), then=lambda: pool.remove(h(7)))  # evicted while the reply was lost
+    pool.store(h(6))
+    pool.store(h(7))
+    assert client.sprung.wait(CONVERGE_S)
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(6)}
+    assert writer.metrics.num_failures >= 1 and writer.metrics.num_resyncs >= 2
+
+
+def test_a_lost_reply_to_a_republication_is_cleaned_up_by_the_next_one(redis_server, rig):
+    """The republication's own writes may have landed too, as a delta batch's may.
+
+    The pool caches h(9) while the writer must resync; the republication
+    that writes h(9) reaches Redis but its reply is lost (a slow Redis), and
+    h(9) is evicted before the retry. The retry must delete h(9): it is not
+    in the pool, and Redis holds it under this live incarnation.
+    """
+    pool = StandInPool()
+    pool.store(h(8), h(9))
+    writer, pool, client = rig(pool, start=False)
+    client.set_trap(hsets(h(9)), then=lambda: pool.remove(h(9)))
+    writer.start()
+    assert client.sprung.wait(CONVERGE_S)
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the retried publication")
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(8)}
+
+
+def test_falling_behind_the_bounded_log_resyncs_instead_of_growing(redis_server, rig):
+    pool = StandInPool(retention=8)
+    writer, pool, client = rig(pool)
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+
+    def burst() -> None:  # while a write is in flight, 60 events: far past the log's 8
+        for i in range(100, 130):
+            pool.store(h(i))
+        for i in range(100, 125):
+            pool.remove(h(i))
+        pool.clear()
+        for i in range(200, 205):
+            pool.store(h(i))
+
+    client.set_trap(hsets(h(10)), then=burst, fail=False)
+    pool.store(h(10))
+    assert client.sprung.wait(CONVERGE_S)
+    assert len(pool.events._entries) <= 8
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(i) for i in range(200, 205)}
+    assert writer.metrics.num_resyncs >= 2
+
+
+def test_a_flushed_redis_is_noticed_by_the_heartbeat_and_republished(redis_server, rig):
+    """No write fails (nothing changes in the pool), yet Redis lost everything: the vanished lease tells."""
+    pool = StandInPool()
+    pool.store(h(11), h(12))
+    writer, pool, _ = rig(pool)
+    wait_converged(redis_server, pool, writer)
+    admin = redis_server.client()
+    try:
+        admin.flushall()
+    finally:
+        admin.close()
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(11), h(12)}
+    assert writer.metrics.num_resyncs >= 2
