@@ -38,6 +38,7 @@ Snapshot = tuple[Counter, int]
 class MirrorOptions:
     lease_ttl_s: float = 10.0
     batch_events: int = 4096  # events per pipeline
+    coalesce_s: float = 0.002  # wait this long after new events before writing them
     retry_backoff_s: float = 0.2
     max_retry_backoff_s: float = 2.0
 
@@ -142,9 +143,16 @@ class MirrorWriter:
 
     def _write_batch(self) -> None:
         batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0.2)
-        self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
         if not batch:
+            self.metrics.queue_depth = 0
             return
+        if len(batch) < self.options.batch_events and self.options.coalesce_s > 0:
+            # The RPC that logged these is still sending its reply: let it
+            # finish (the writer competes with it for the GIL) and gather
+            # what the next steps log.
+            self._stop.wait(self.options.coalesce_s)
+            batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0)
+        self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
         published = self._published
         changes: dict[BlockKey, bool] = {}  # key -> present in Redis after this batch
         for _, (_, event) in batch:
