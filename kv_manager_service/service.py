@@ -253,7 +253,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     def _cluster_hits(self, token_ids, lora, cache_salt, mm_features, local_hit) -> list[tuple[str, int]]:
         """Every live replica's longest cached prefix, from the mirror; without one (or
-        while Redis is unreachable), just this replica's."""
+        while Redis is unreachable), just this replica's. Other replicas are judged
+        by the first cacheable group's blocks, aligned like a local hit."""
         local = [(self.replica_id, local_hit.num_cached_tokens)]
         if self.cluster is None or not token_ids:
             return local
@@ -275,7 +276,13 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             return local
         # This replica answers for itself from its own pool: exact, and present
         # even while its lease is being re-written.
-        others = [(p.replica_id, p.num_cached_blocks * group.block_size) for p in prefixes if p.replica_id != self.replica_id]
+        # Hits end on the lcm of the block sizes, as local hits do.
+        alignment = manager.coordinator.alignment
+        others = [
+            (p.replica_id, p.num_cached_blocks * group.block_size // alignment * alignment)
+            for p in prefixes
+            if p.replica_id != self.replica_id
+        ]
         return sorted(others + local)
 
     @_unary

@@ -8,6 +8,7 @@ exactly as a user would, reading stdout until the ready line.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import select
@@ -289,14 +290,20 @@ class ReplicaFactory:
         """Start several replicas at once (their imports overlap), in spec order.
 
         Each spec holds `start`'s arguments: replica_id, redis_url and optionally
-        num_blocks, model_name, extra.
+        num_blocks, model_name, extra, or config (a pool config dict, instead of
+        --num-blocks and --block-size).
         """
         launched = []
         for spec in specs:
             replica_id = spec["replica_id"]
-            argv = self.argv(
-                replica_id, spec["redis_url"], spec.get("num_blocks", 64), spec.get("model_name"), spec.get("extra", ())
-            )
+            extra = list(spec.get("extra", ()))
+            argv = self.argv(replica_id, spec["redis_url"], spec.get("num_blocks", 64), spec.get("model_name"), extra)
+            if "config" in spec:  # a pool config file: its groups replace --num-blocks / --block-size
+                path = self.directory / f"pool-{self._count}.json"
+                path.write_text(json.dumps(spec["config"]), encoding="utf-8")
+                i = argv.index("--num-blocks")
+                del argv[i : i + 4]
+                argv += ["--config", str(path)]
             log_path = self.directory / f"replica-{self._count}-{replica_id}.log"
             self._count += 1
             with open(log_path, "wb") as log_file:

@@ -101,3 +101,32 @@ def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(re
         assert lease_a.address == a.address and lease_a.incarnation == a.incarnation
     finally:
         client.close()
+
+
+def test_hybrid_pool_cluster_answer_agrees_with_what_the_replica_would_reuse(redis_server, replicas):
+    """Two full-attention groups of 48- and 32-token blocks: a hit is reported on lcm = 96 token
+    boundaries, where both groups agree (DESIGN.md section 2). The cluster answer for a replica must
+    not promise more than that replica would reuse, nor disagree with its own answer for itself."""
+    config = {
+        "num_blocks": 64,
+        "groups": [{"kind": "full_attention", "block_size": 48}, {"kind": "full_attention", "block_size": 32}],
+    }
+    a, b = replicas.start_many(
+        [
+            dict(replica_id="replica-a", redis_url=redis_server.url, config=config),
+            dict(replica_id="replica-b", redis_url=redis_server.url, config=config),
+        ]
+    )
+    tokens = prompt(70, 160)  # 3 blocks of 48 and 5 of 32 are full; the groups agree on 96 tokens
+    a.cache("hybrid", tokens)
+    local = a.client.find_cache_hit(tokens)[0].num_cached_tokens
+    assert local == 96
+    wait_until(lambda: b.cluster(tokens), lambda got: got.get("replica-a", 0) > 0, CONVERGE_TIMEOUT_S,
+               "replica-a's hybrid prefix to be reported")
+    wait_until(lambda: a.stats().mirror_queue_depth, lambda depth: depth == 0, CONVERGE_TIMEOUT_S, "the mirror to drain")
+    answer = b.cluster(tokens)
+    assert a.cluster(tokens)["replica-a"] == local
+    assert answer == {"replica-a": local, "replica-b": 0}, (
+        f"replica-b reports {answer['replica-a']} cached tokens on replica-a, which would reuse {local} "
+        f"(hits are on 96-token boundaries)"
+    )

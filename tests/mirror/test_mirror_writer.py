@@ -76,16 +76,21 @@ class StandInPool:
 
 
 class LosingRedis(redis.Redis):
-    """A client whose next matching writer pipeline lands, runs `then`, and fails as a lost reply."""
+    """A client whose next matching writer pipeline lands, runs `then`, and fails as a lost reply.
+
+    With `land=False` the pipeline fails before reaching Redis instead (a dropped connection).
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.trap: tuple[Callable[[list[tuple]], bool], Callable[[], None], bool] | None = None
+        self.trap: tuple | None = None
         self.sprung = threading.Event()
 
-    def set_trap(self, matches: Callable[[list[tuple]], bool], then: Callable[[], None], fail: bool = True) -> None:
+    def set_trap(
+        self, matches: Callable[[list[tuple]], bool], then: Callable[[], None], fail: bool = True, land: bool = True
+    ) -> None:
         self.sprung.clear()
-        self.trap = (matches, then, fail)
+        self.trap = (matches, then, fail, land)
 
     def pipeline(self, transaction=True, shard_hint=None):
         pipe = super().pipeline(transaction, shard_hint)
@@ -98,10 +103,16 @@ class LosingRedis(redis.Redis):
             if trap is None or threading.current_thread().name != "mirror-writer" or not trap[0](commands):
                 return original(raise_on_error)
             client.trap = None
+            matches, then, fail, land = trap
+            if not land:
+                then()
+                client.sprung.set()
+                pipe.reset()
+                raise redis.ConnectionError("injected: the connection dropped before the pipeline was sent")
             result = original(raise_on_error)  # the commands run in Redis ...
-            trap[1]()  # ... the pool moves on meanwhile ...
+            then()  # ... the pool moves on meanwhile ...
             client.sprung.set()
-            if trap[2]:
+            if fail:
                 raise redis.TimeoutError("injected: the reply was lost after Redis ran the pipeline")
             return result
 
@@ -112,6 +123,11 @@ class LosingRedis(redis.Redis):
 def hsets(block_hash: bytes) -> Callable[[list[tuple]], bool]:
     key = SCHEMA.block(0, block_hash)
     return lambda commands: any(args[0] == "HSET" and args[1] == key for args in commands)
+
+
+def hdels(block_hash: bytes) -> Callable[[list[tuple]], bool]:
+    key = SCHEMA.block(0, block_hash)
+    return lambda commands: any(args[0] == "HDEL" and args[1] == key for args in commands)
 
 
 @pytest.fixture
@@ -193,6 +209,21 @@ def test_a_lost_reply_to_a_delta_batch_is_cleaned_up_by_the_resync(redis_server,
     wait_converged(redis_server, pool, writer)
     assert mirrored(redis_server) == {h(6)}
     assert writer.metrics.num_failures >= 1 and writer.metrics.num_resyncs >= 2
+
+
+def test_a_delta_batch_that_never_reached_redis_still_gets_its_removals_done(redis_server, rig):
+    """The batch that removes h(7) fails before Redis sees it: h(7) is in Redis, no longer in
+    the pool, and no longer among the writer's published counts. The resync must delete it."""
+    writer, pool, client = rig()
+    pool.store(h(6), h(7))
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(6), h(7)}
+    client.set_trap(hdels(h(7)), then=lambda: None, land=False)
+    pool.remove(h(7))
+    assert client.sprung.wait(CONVERGE_S)
+    wait_converged(redis_server, pool, writer)
+    assert mirrored(redis_server) == {h(6)}
+    assert writer.metrics.num_failures >= 1
 
 
 def test_a_lost_reply_to_a_republication_is_cleaned_up_by_the_next_one(redis_server, rig):
