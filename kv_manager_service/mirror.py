@@ -196,19 +196,17 @@ class MirrorWriter:
 
     def _heartbeat_loop(self) -> None:
         ttl_ms = int(self.options.lease_ttl_s * 1000)
-        first = True
         while not self._stop.is_set():
             try:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(self.schema.lease(self.replica_id), self.lease().to_json(), px=ttl_ms, get=True)
                 pipe.sadd(self.schema.replicas, self.replica_id)
                 previous, _ = pipe.execute()
-                if previous is None and not first:
-                    # Our lease vanished before its TTL: Redis restarted (or
-                    # lost data) without the writer seeing an error.
-                    log.warning("lease was missing in Redis; resyncing the mirror")
+                if previous is None:
+                    # No lease: this is our first heartbeat, or Redis restarted
+                    # (or lost data) without the writer seeing an error. Either
+                    # way a republication makes the mirror whole.
                     self._resync = True
-                first = False
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
                 log.warning("lease heartbeat failed: %s", error)

@@ -87,10 +87,18 @@ class LosingRedis(redis.Redis):
         self.sprung = threading.Event()
 
     def set_trap(
-        self, matches: Callable[[list[tuple]], bool], then: Callable[[], None], fail: bool = True, land: bool = True
+        self,
+        matches: Callable[[list[tuple]], bool],
+        then: Callable[[], None],
+        fail: bool = True,
+        land: bool = True,
+        thread: str = "mirror-writer",
+        before: Callable[[], None] | None = None,
     ) -> None:
+        """Trap the next pipeline of `thread` that `matches`: run `before`, send it (if `land`),
+        run `then`, and raise (if `fail`)."""
         self.sprung.clear()
-        self.trap = (matches, then, fail, land)
+        self.trap = (matches, then, fail, land, thread, before)
 
     def pipeline(self, transaction=True, shard_hint=None):
         pipe = super().pipeline(transaction, shard_hint)
@@ -100,10 +108,12 @@ class LosingRedis(redis.Redis):
         def execute(raise_on_error=True):
             trap = client.trap
             commands = [args for args, _ in pipe.command_stack]
-            if trap is None or threading.current_thread().name != "mirror-writer" or not trap[0](commands):
+            if trap is None or threading.current_thread().name != trap[4] or not trap[0](commands):
                 return original(raise_on_error)
             client.trap = None
-            matches, then, fail, land = trap
+            matches, then, fail, land, _, before = trap
+            if before is not None:
+                before()
             if not land:
                 then()
                 client.sprung.set()
@@ -276,9 +286,36 @@ def test_a_flushed_redis_is_noticed_by_the_heartbeat_and_republished(redis_serve
     wait_converged(redis_server, pool, writer)
     admin = redis_server.client()
     try:
+        # Once the first heartbeat has written the lease (the next test covers the time before).
+        wait_until(lambda: admin.exists(SCHEMA.lease(REPLICA)), bool, CONVERGE_S, "the first lease")
         admin.flushall()
     finally:
         admin.close()
     wait_converged(redis_server, pool, writer)
     assert mirrored(redis_server) == {h(11), h(12)}
     assert writer.metrics.num_resyncs >= 2
+
+
+def test_data_lost_before_the_first_heartbeat_is_republished_too(redis_server, rig):
+    """The writer publishes, then Redis loses everything (a restart, a failover) before the
+    heartbeat first writes the lease. That heartbeat finds no lease, as it would after any loss;
+    the mirror must still end up holding the pool's cached set."""
+    pool = StandInPool()
+    pool.store(h(13), h(14))
+    writer, pool, client = rig(pool, start=False)
+    admin = redis_server.client()
+
+    def publication_then_data_loss() -> None:
+        wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+        admin.flushall()
+
+    sets_lease = lambda commands: any(args[0] == "SET" and args[1] == SCHEMA.lease(REPLICA) for args in commands)
+    client.set_trap(sets_lease, then=lambda: None, fail=False, thread="mirror-heartbeat",
+                    before=publication_then_data_loss)
+    try:
+        writer.start()
+        assert client.sprung.wait(CONVERGE_S)
+        wait_converged(redis_server, pool, writer)
+        assert mirrored(redis_server) == {h(13), h(14)}
+    finally:
+        admin.close()
