@@ -20,6 +20,7 @@ life, are ignored.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -68,9 +69,15 @@ class KeySchema:
     hash_algorithm: str
     hash_seed: str | None = None
 
-    @property
+    @functools.cached_property
     def namespace(self) -> str:
-        seed_tag = hashlib.sha256(self.hash_seed.encode()).hexdigest()[:12] if self.hash_seed else "noseed"
+        # The seed may be a secret (xxh3_128's key): its tag comes from a slow
+        # key derivation, so reading Redis does not make guessing it cheap.
+        seed_tag = (
+            hashlib.pbkdf2_hmac("sha256", self.hash_seed.encode(), b"kvcache.v1 namespace", 200_000)[:6].hex()
+            if self.hash_seed
+            else "noseed"
+        )
         return f"kvcache:{self.model}:{self.hash_algorithm}:{seed_tag}"
 
     def block(self, group_id: int, block_hash: bytes) -> str:

@@ -94,7 +94,8 @@ def test_key_schema_matches_the_documented_layout():
     assert schema.lease("r-1") == "kvcache:m:sha256_cbor:noseed:lease:r-1"
     assert schema.replicas == "kvcache:m:sha256_cbor:noseed:replicas"
     seeded = KeySchema("m", "sha256_cbor", "k")
-    assert seeded.namespace == f"kvcache:m:sha256_cbor:{hashlib.sha256(b'k').hexdigest()[:12]}"
+    tag = hashlib.pbkdf2_hmac("sha256", b"k", b"kvcache.v1 namespace", 200_000)[:6].hex()
+    assert seeded.namespace == f"kvcache:m:sha256_cbor:{tag}"
 
 
 def test_lease_json_round_trip():
