@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import platform
 import queue
@@ -94,13 +93,14 @@ import tempfile
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import grpc
 import redis
 
+from bench_stats import Series, fmt, percentile
 from kv_manager_service import cli
 from kv_manager_service.cluster import ClusterIndex, ReplicaPrefix, choose_replica
 from kv_manager_service.core import (
@@ -142,29 +142,6 @@ now_ns = time.perf_counter_ns
 
 
 # -- plumbing --------------------------------------------------------------------
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in (0, 100])."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-@dataclass
-class Series:
-    """Per-round figures of one metric: p50 and p99 of that round's samples (or one value)."""
-
-    p50: list[float] = field(default_factory=list)
-    p99: list[float] = field(default_factory=list)
-
-    def add_samples(self, samples: Sequence[float], scale: float = 1e6) -> None:
-        if not samples:
-            return
-        self.p50.append(statistics.median(samples) / scale)
-        self.p99.append(percentile(samples, 99) / scale)
-
-    def add_value(self, value: float) -> None:
-        self.p50.append(value)
 
 
 class Results(dict):
@@ -842,18 +819,6 @@ def unbounded_hits(records: Sequence[TraceRecord], plan: Plan) -> tuple[int, int
 
 
 # -- report ------------------------------------------------------------------------
-
-
-def fmt(value: float) -> str:
-    if isinstance(value, int):
-        return f"{value:,}"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    if abs(value) >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
 
 
 def med(series: Series, which: str = "p50") -> float:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import os
 import platform
 import queue
@@ -66,6 +65,7 @@ import grpc
 from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
+from bench_stats import Series, fmt
 from kv_manager_service import cli, convert
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig, KVCacheManager
@@ -90,27 +90,6 @@ now_ns = time.perf_counter_ns
 
 
 # -- plumbing --------------------------------------------------------------------
-
-
-def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in (0, 100])."""
-    ordered = sorted(samples)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-@dataclass
-class Series:
-    """Per-round figures of one metric: p50 and p99 of that round's samples (or one value)."""
-
-    p50: list[float] = field(default_factory=list)
-    p99: list[float] = field(default_factory=list)
-
-    def add_samples(self, samples_ns: Sequence[int], scale: float = 1e6) -> None:
-        self.p50.append(statistics.median(samples_ns) / scale)
-        self.p99.append(percentile(samples_ns, 99) / scale)
-
-    def add_value(self, value: float) -> None:
-        self.p50.append(value)
 
 
 class Server:
@@ -626,16 +605,6 @@ def profile_server(
 
 
 # -- report ------------------------------------------------------------------------
-
-
-def fmt(value: float) -> str:
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    if abs(value) >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
 
 
 def row(number: str, metric: str, series: Series, unit: str, target: str = "", note: str = "",
