@@ -7,22 +7,16 @@ validated whole before anything changes, so an invalid op changes nothing.
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from kv_manager_service.core.block_pool import BlockPool
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.core.config import KVCacheConfig
 from kv_manager_service.core.coordinator import KVCacheCoordinator
 from kv_manager_service.core.errors import (
-    FailedPreconditionError,
     InvalidArgumentError,
-    KVCacheError,
     OutOfRangeError,
-    RequestExistsError,
-    RequestNotFoundError,
-    ResourceExhaustedError,
 )
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.groups import make_group_manager
@@ -48,8 +42,7 @@ from kv_manager_service.core.ops import (
 )
 from kv_manager_service.core.invariants import check_invariants
 from kv_manager_service.core.request import RequestState
-
-MAX_TOKEN_ID = (1 << 32) - 1
+from kv_manager_service.core.validation import StepValidator, check_mm_features, check_token_ids
 
 
 class KVCacheManager:
@@ -67,6 +60,7 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(self.managers, config.lcm_block_size)
         self.hasher = BlockHasher(self.hash_block_size, config.hash_algorithm, config.hash_seed)
         self.requests: dict[str, RequestState] = {}
+        self._validator = StepValidator(self.requests, config)
         self.last_step_id = 0
         # Copies not yet acknowledged, in step order. Each retains both ends:
         # one reference on src and one on dst, counted in `_retained`.
@@ -122,7 +116,7 @@ class KVCacheManager:
         parent and children included); any invalid op raises and nothing
         changes. `NO_SPACE` is a per-op result, not an error.
         """
-        self._validate_step(ops)
+        self._validator.validate_step(ops)
         self.last_step_id += 1
         step_id = self.last_step_id
         results: list[OpResult] = []
@@ -174,8 +168,8 @@ class KVCacheManager:
         mm_features: Sequence[MMFeature] = (),
     ) -> CacheHit:
         """Exactly the hit a first `allocate` of `token_ids` would adopt now. Changes nothing."""
-        self._check_token_ids(token_ids, "token_ids")
-        self._check_mm_features(tuple(mm_features), len(token_ids))
+        check_token_ids(token_ids, "token_ids")
+        check_mm_features(tuple(mm_features), len(token_ids))
         if not self.enable_caching or not token_ids:
             return CacheHit(0, tuple(() for _ in self.managers))
         extras = _extras(cache_salt, lora, tuple(mm_features))
@@ -214,148 +208,8 @@ class KVCacheManager:
         """Drain the queued cache events, oldest first."""
         return self.pool.take_events()
 
-    # -- validation: raises, never mutates ---------------------------------------
-
-    def _validate_step(self, ops: Sequence[Op]) -> None:
-        """Raise on the first invalid op, its field named `ops[i].<field>`. Changes nothing.
-
-        The live-request limit is checked as the ops would run: a free earlier
-        in the step makes room for an admission after it.
-        """
-        seen: set[str] = set()
-        num_live = len(self.requests)
-        over_limit: ResourceExhaustedError | None = None
-        for index, op in enumerate(ops):
-            try:
-                kind = type(op)
-                if kind is AllocateOp:
-                    named_ids: Iterable[tuple[str, str]] = ((op.request_id, "request_id"),)
-                    num_live += self._validate_allocate(op)
-                elif kind is FreeOp:
-                    if not op.request_ids:
-                        raise InvalidArgumentError("free needs at least one request id", "request_ids")
-                    for request_id in op.request_ids:
-                        self._get(request_id, "request_ids")
-                    named_ids = ((request_id, "request_ids") for request_id in op.request_ids)
-                    num_live -= len(set(op.request_ids))
-                elif kind is ForkOp:
-                    num_live += self._validate_fork(op)
-                    named_ids = (
-                        (op.parent_request_id, "parent_request_id"),
-                        *((child_id, "child_request_ids") for child_id in op.child_request_ids),
-                    )
-                else:
-                    raise InvalidArgumentError(f"unknown op type {kind.__name__}", None)
-                for request_id, field in named_ids:
-                    if request_id in seen:
-                        raise InvalidArgumentError(
-                            f"request id {request_id!r} appears in more than one op of the step, or twice in one op", field
-                        )
-                    seen.add(request_id)
-                if num_live > self.config.max_num_requests and over_limit is None:
-                    over_limit = ResourceExhaustedError(
-                        f"the step would make {num_live} live requests; "
-                        f"the limit max_num_requests is {self.config.max_num_requests}",
-                        f"ops[{index}]",
-                    )
-            except KVCacheError as error:
-                error.field = f"ops[{index}].{error.field}" if error.field else f"ops[{index}]"
-                raise
-        if over_limit is not None:  # reported after every op's own mistakes
-            raise over_limit
-
-    def _validate_allocate(self, op: AllocateOp) -> int:
-        """Checks one allocate op; returns 1 if it admits a new request, else 0."""
-        request_id, token_ids, num_new_tokens, num_lookahead_tokens, num_encoder_tokens = op[:5]
-        if type(request_id) is not str or not request_id:
-            raise InvalidArgumentError("request_id must be a non-empty string", "request_id")
-        if type(num_new_tokens) is not int or num_new_tokens < 1:
-            raise InvalidArgumentError(f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens")
-        if type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0:
-            raise InvalidArgumentError(
-                f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens!r}", "num_lookahead_tokens"
-            )
-        if type(num_encoder_tokens) is not int or num_encoder_tokens < 0:
-            raise InvalidArgumentError(f"num_encoder_tokens must be >= 0, got {num_encoder_tokens!r}", "num_encoder_tokens")
-        if token_ids:
-            self._check_token_ids(token_ids, "token_ids")
-        request = self.requests.get(request_id)
-        if request is None:
-            if not token_ids:
-                raise InvalidArgumentError(
-                    f"the first allocate of request {request_id!r} must carry its prompt in token_ids", "token_ids"
-                )
-            self._check_length(op, len(token_ids))
-            self._check_mm_features(op.mm_features, len(token_ids))
-            return 1
-        num_tokens = request.num_tokens + len(token_ids)
-        if num_tokens == request.num_computed_tokens:
-            raise FailedPreconditionError(
-                f"request {request_id!r} has no tokens left to compute: all {num_tokens} are computed; "
-                "append the sampled token in token_ids",
-                "token_ids",
-            )
-        if num_tokens + num_lookahead_tokens > self.config.max_model_len:
-            self._check_length(op, num_tokens)
-        if op.cache_salt or op.lora is not None or op.mm_features or num_encoder_tokens:
-            extras = request.extras
-            if (
-                (op.cache_salt and op.cache_salt != extras.cache_salt)
-                or (op.lora is not None and op.lora != extras.lora)
-                or (op.mm_features and tuple(op.mm_features) != extras.mm_features)
-                or (num_encoder_tokens and num_encoder_tokens != request.num_encoder_tokens)
-            ):
-                raise InvalidArgumentError(
-                    f"cache_salt, lora, mm_features and num_encoder_tokens are fixed by the first allocate of "
-                    f"request {request_id!r}; a continuation may not change them",
-                    "cache_salt",
-                )
-        return 0
-
-    def _check_length(self, op: AllocateOp, num_tokens: int) -> None:
-        limit = self.config.max_model_len
-        if num_tokens + op.num_lookahead_tokens > limit:
-            raise InvalidArgumentError(
-                f"request {op.request_id!r} would hold {num_tokens} tokens plus {op.num_lookahead_tokens} "
-                f"lookahead tokens; the limit max_model_len is {limit}",
-                "token_ids",
-            )
-
-    @staticmethod
-    def _check_token_ids(token_ids: Sequence[int], field: str) -> None:
-        """Token ids are integers in 0..2**32-1 (one C pass: array rejects the rest)."""
-        try:
-            array("I", token_ids)
-        except (OverflowError, TypeError, ValueError):
-            raise InvalidArgumentError(f"{field} must be integers in 0..{MAX_TOKEN_ID}", field) from None
-
-    @staticmethod
-    def _check_mm_features(mm_features: tuple[MMFeature, ...], num_prompt_tokens: int) -> None:
-        for i, mm in enumerate(mm_features):
-            if not mm.identifier or mm.offset < 0 or mm.length < 1 or mm.offset + mm.length > num_prompt_tokens:
-                raise InvalidArgumentError(
-                    f"mm_features[{i}] must have an identifier and lie inside the {num_prompt_tokens}-token prompt "
-                    f"(offset >= 0, length >= 1), got offset {mm.offset} length {mm.length}",
-                    f"mm_features[{i}]",
-                )
-
-    def _validate_fork(self, op: ForkOp) -> int:
-        self._get(op.parent_request_id, "parent_request_id")
-        children = op.child_request_ids
-        if not children:
-            raise InvalidArgumentError("fork needs at least one child request id", "child_request_ids")
-        for child_id in children:
-            if not isinstance(child_id, str) or not child_id:
-                raise InvalidArgumentError("child request ids must be non-empty strings", "child_request_ids")
-            if child_id in self.requests:
-                raise RequestExistsError(f"request {child_id!r} already exists", "child_request_ids")
-        return len(children)
-
     def _get(self, request_id: str, field: str) -> RequestState:
-        request = self.requests.get(request_id)
-        if request is None:
-            raise RequestNotFoundError(f"unknown request id {request_id!r}", field)
-        return request
+        return self._validator.get(request_id, field)
 
     # -- application: input already validated ------------------------------------
 
