@@ -80,7 +80,6 @@ import argparse
 import dataclasses
 import os
 import platform
-import queue
 import random
 import shlex
 import shutil
@@ -90,7 +89,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -101,6 +99,7 @@ import grpc
 import redis
 
 from bench_stats import Series, fmt, percentile
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kv_manager_service import cli
 from kv_manager_service.cluster import ClusterIndex, ReplicaPrefix, choose_replica
 from kv_manager_service.core import (
@@ -214,18 +213,12 @@ class Server:
         self.channel: grpc.Channel | None = None
 
     def wait_ready(self) -> None:
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()
         try:
-            line = lines.get(timeout=60)
-        except queue.Empty:
-            line = ""
-        prefix = "KV manager listening on "
-        if not line.startswith(prefix):
+            self.address = wait_for_ready_line(self.proc, MANAGER_READY_PREFIX, timeout_s=60)
+        except NotReadyError as error:
             log = Path(self.log.name).read_text()
             self.stop()
-            raise SystemExit(f"server {self.name} did not start (stdout {line!r}); its log:\n{log}")
-        self.address = line[len(prefix):].strip()
+            raise SystemExit(f"server {self.name} did not start ({error}); its log:\n{log}")
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.use_local_subchannel_pool", 1)]
         self.channel = grpc.insecure_channel(self.address, options=options)

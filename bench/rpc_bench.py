@@ -46,7 +46,6 @@ import dataclasses
 import gc
 import os
 import platform
-import queue
 import random
 import shlex
 import shutil
@@ -68,6 +67,7 @@ from google.protobuf.internal import api_implementation
 from bench_stats import Series, fmt
 from kv_manager_service import cli, convert
 from kv_manager_service.client import KVManagerClient
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig, KVCacheManager
 from kv_manager_service.service import KVManagerServicer, ServiceLimits
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -102,18 +102,12 @@ class Server:
             "--port", "0", "--num-blocks", str(num_blocks), "--replica-id", "rpc-bench", "--log-level", "WARNING",
         ]
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline()), daemon=True).start()
         try:
-            line = lines.get(timeout=60)
-        except queue.Empty:
-            line = ""
-        prefix = "KV manager listening on "
-        if not line.startswith(prefix):
+            self.address = wait_for_ready_line(self.proc, MANAGER_READY_PREFIX, timeout_s=60)
+        except NotReadyError as error:
             log = Path(self.log.name).read_text()
             self.stop()
-            raise SystemExit(f"the server did not start (stdout {line!r}); its log:\n{log}")
-        self.address = line[len(prefix):].strip()
+            raise SystemExit(f"the server did not start ({error}); its log:\n{log}")
         self.pid = self.proc.pid
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
 

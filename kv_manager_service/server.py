@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_manager_service.core import KVCacheConfig, KVCacheManager
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.service import KVManagerServicer, ServiceLimits
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
@@ -144,7 +145,7 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"KV manager listening on {running.address}", flush=True)
+    print(f"{MANAGER_READY_PREFIX}{running.address}", flush=True)
     log.info(
         "serving replica_id=%s incarnation=%d num_blocks=%d groups=%d",
         options.replica_id,

@@ -8,22 +8,20 @@ its package-lock.json first.
 from __future__ import annotations
 
 import json
-import queue
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import grpc
 import pytest
 
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "node-scheduler"
-LISTENING = "KV manager listening on "
 REPLICA_ID = "node-example-test"
 NUM_BLOCKS = 64
 
@@ -57,20 +55,11 @@ def manager(tmp_path):
             cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
         )  # fmt: skip
     try:
-        lines: queue.Queue[str] = queue.Queue()
-
-        def pump() -> None:
-            for text in proc.stdout:
-                lines.put(text)
-            lines.put("")  # EOF: the server exited
-
-        threading.Thread(target=pump, daemon=True).start()
         try:
-            line = lines.get(timeout=60)
-        except queue.Empty:
-            pytest.fail(f"no listening line within 60 s; server log:\n{log_path.read_text()}")
-        assert line.startswith(LISTENING), f"unexpected first line {line!r}; server log:\n{log_path.read_text()}"
-        yield line[len(LISTENING) :].strip()
+            address = wait_for_ready_line(proc, MANAGER_READY_PREFIX, timeout_s=60)
+        except NotReadyError as error:
+            pytest.fail(f"the server is not ready: {error}; its log:\n{log_path.read_text()}")
+        yield address
     finally:
         proc.terminate()
         try:

@@ -9,9 +9,7 @@ exactly as a user would, reading stdout until the ready line.
 from __future__ import annotations
 
 import json
-import os
 import random
-import select
 import shutil
 import signal
 import socket
@@ -26,6 +24,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import grpc
 import redis
 
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
 from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm
@@ -35,7 +34,6 @@ from kvcache.v1 import kv_manager_pb2 as pb
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 REDIS_SERVER = shutil.which("redis-server")
 
-READY_PREFIX = "KV manager listening on "
 START_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0  # the server's grace is 5 s; the mirror's stop adds little
 CALL_TIMEOUT_S = 10.0
@@ -345,27 +343,11 @@ class ReplicaFactory:
         return failures
 
 
-def _read_ready_line(process: subprocess.Popen, log_path: Path, argv: list[str]) -> str:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    buffer = b""
-    fd = process.stdout.fileno()
-    while b"\n" not in buffer:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            process.kill()
-            process.wait(timeout=10)
-            raise AssertionError(f"{argv} printed no ready line in {START_TIMEOUT_S}s\n{log_path.read_text()}")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if not ready:
-            continue
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            code = process.wait(timeout=10)
-            raise AssertionError(f"{argv} exited {code} before it was ready\n{log_path.read_text(errors='replace')}")
-        buffer += chunk
-    line = buffer.split(b"\n", 1)[0].decode()
-    assert line.startswith(READY_PREFIX), f"unexpected first line {line!r}"
-    return line[len(READY_PREFIX):].strip()
+def _read_ready_line(process: subprocess.Popen, log_path: Path, args: list[str]) -> str:
+    try:
+        return wait_for_ready_line(process, MANAGER_READY_PREFIX, START_TIMEOUT_S)
+    except NotReadyError as error:
+        raise AssertionError(f"{args}: {error}\n{log_path.read_text(errors='replace')}") from None
 
 
 # -- the replica's own view: events -------------------------------------------------

@@ -9,20 +9,17 @@ seconds (graceful shutdown) and that its log shows no INTERNAL error (a bug).
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from svc_support import ROOT, pool_config, write_config
 
-READY_PREFIX = "KV manager listening on "
 START_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 8.0  # the server's own grace is 5 s; streams end at once
 
@@ -71,28 +68,10 @@ class ServerProcess:
 
 
 def _read_ready_line(process: subprocess.Popen, log_path: Path, args: list[str]) -> str:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    buffer = b""
-    fd = process.stdout.fileno()
-    while b"\n" not in buffer:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            process.kill()
-            process.wait(timeout=10)
-            raise AssertionError(f"server {args} printed no ready line in {START_TIMEOUT_S}s\n{log_path.read_text()}")
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if not ready:
-            continue
-        chunk = os.read(fd, 4096)
-        if not chunk:  # EOF: the process died before it was ready
-            code = process.wait(timeout=10)
-            raise AssertionError(
-                f"server {args} exited {code} before it was ready\n{log_path.read_text(errors='replace')}"
-            )
-        buffer += chunk
-    line = buffer.split(b"\n", 1)[0].decode()
-    assert line.startswith(READY_PREFIX), f"unexpected first line {line!r}"
-    return line[len(READY_PREFIX) :].strip()
+    try:
+        return wait_for_ready_line(process, MANAGER_READY_PREFIX, START_TIMEOUT_S)
+    except NotReadyError as error:
+        raise AssertionError(f"server {args}: {error}\n{log_path.read_text(errors='replace')}") from None
 
 
 class ServerFactory:
