@@ -294,14 +294,10 @@ def block_table_from(message: pb.RequestBlockTable) -> BlockTable:
     return BlockTable(message.request_id, message.num_computed_tokens, tuple(tuple(g.block_ids) for g in message.groups))
 
 
+def stats_response(stats: Stats) -> pb.GetStatsResponse:
+    return pb.GetStatsResponse(**stats._asdict())
+
+
 def stats_from(message: pb.GetStatsResponse) -> Stats:
-    return Stats(
-        num_blocks=message.num_blocks,
-        num_free_blocks=message.num_free_blocks,
-        usage=message.usage,
-        num_requests=message.num_requests,
-        prefix_cache_queries=message.prefix_cache_queries,
-        prefix_cache_hits=message.prefix_cache_hits,
-        num_evictions=message.num_evictions,
-        num_pending_copies=message.num_pending_copies,
-    )
+    # The wire message holds every Stats field under the same name.
+    return Stats(*(getattr(message, name) for name in Stats._fields))

@@ -309,18 +309,9 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         with self.lock:
             stats = self.manager.stats()
             last_step_id = self.manager.last_step_id
-        response = pb.GetStatsResponse(
-            num_blocks=stats.num_blocks,
-            num_free_blocks=stats.num_free_blocks,
-            usage=stats.usage,
-            num_requests=stats.num_requests,
-            prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits,
-            num_evictions=stats.num_evictions,
-            num_pending_copies=stats.num_pending_copies,
-            last_step_id=last_step_id,
-            last_event_sequence=self.events.last_id,
-        )
+        response = convert.stats_response(stats)
+        response.last_step_id = last_step_id
+        response.last_event_sequence = self.events.last_id
         if self.mirror is not None:
             metrics = self.mirror.metrics
             response.mirror_enabled = True
