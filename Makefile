@@ -8,9 +8,13 @@ ARGS ?=
 
 .PHONY: setup run test bench clean
 
-$(BIN)/.installed: pyproject.toml
+# CPU machines take the CPU build of torch (constraints/cpu.txt); on a GPU
+# machine run `make setup CONSTRAINTS=` after installing torch for its CUDA.
+CONSTRAINTS ?= -c constraints/cpu.txt
+
+$(BIN)/.installed: pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/pip install --quiet $(CONSTRAINTS) -e '.[worker,test,bench]'
 	touch $@
 
 setup: $(BIN)/.installed

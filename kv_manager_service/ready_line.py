@@ -1,6 +1,7 @@
 """The one line a server prints on stdout when it accepts calls, and how a launcher waits for it.
 
-`kv-manager serve` prints `KV manager listening on HOST:PORT`. Whatever starts
+`kv-manager serve` prints `KV manager listening on HOST:PORT`, `gpu-worker`
+prints `GPU worker listening on HOST:PORT`. Whatever starts
 it as a process (a test, a benchmark, a demo, an orchestrator) reads that
 line to learn the address, instead of polling the port.
 """
@@ -13,6 +14,7 @@ import subprocess
 import time
 
 MANAGER_READY_PREFIX = "KV manager listening on "
+WORKER_READY_PREFIX = "GPU worker listening on "
 
 
 class NotReadyError(RuntimeError):

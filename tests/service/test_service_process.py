@@ -10,6 +10,7 @@ import pytest
 
 from kvcache.v1 import kv_manager_pb2 as pb
 
+from processes import check_clean_exit
 from svc_support import OK, ROOT, alloc, connect, pool_config, stats, watch_events, watch_steps, write_config
 
 
@@ -76,7 +77,7 @@ def test_block_size_with_groups_in_the_file_is_an_error(tmp_path):
 def test_each_start_is_a_new_incarnation(server_factory):
     first = server_factory.start("--replica-id", "same", config=pool_config(8))
     first_config = get_config(first.address)
-    first.check_clean_exit()
+    check_clean_exit(first)
     second = server_factory.start("--replica-id", "same", config=pool_config(8))
     second_config = get_config(second.address)
     assert first_config.replica_id == second_config.replica_id == "same"
@@ -92,7 +93,7 @@ def test_sigterm_with_open_streams_shuts_down_gracefully(server_factory):
         response = stub.Allocate(alloc("a", range(20)))
         assert response.status == OK
         assert next(steps).step_id == 1 and next(events).sequence == 1
-        server.check_clean_exit()  # SIGTERM: exits 0 in time although two streams are open
+        check_clean_exit(server)  # SIGTERM: exits 0 in time although two streams are open
         for stream in (steps, events):
             try:
                 leftover = list(stream)

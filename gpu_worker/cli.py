@@ -1,0 +1,63 @@
+"""The `gpu-worker` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from gpu_worker.model_config import BUILTIN_MODELS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-worker",
+        description="Hold the KV cache of one kv-manager's pool and run a Llama-style decoder over it.",
+    )
+    parser.add_argument("--manager", required=True, metavar="HOST:PORT", help="the kv-manager to follow")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default %(default)s)")
+    parser.add_argument(
+        "--backend", choices=["torch", "triton"], default="torch",
+        help="kernels: torch references, or Triton (on a CPU, in the interpreter: slow) (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default="small",
+        help=f"a built-in model ({', '.join(BUILTIN_MODELS)}: seeded random weights) or a directory with "
+        "config.json and *.safetensors in the Llama layout (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16"],
+        help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of a built-in model's random weights (default %(default)s)")
+    parser.add_argument("--worker-id", help="this worker's name at the manager (default: HOST-PID)")
+    parser.add_argument(
+        "--step-timeout-s", type=float, default=30.0,
+        help="how long Execute waits for its step to arrive from the manager (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gpu_worker.server import WorkerOptions, serve
+
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    try:
+        options = WorkerOptions(
+            manager=args.manager, host=args.host, port=args.port, device=args.device, backend=args.backend,
+            model=args.model, dtype=args.dtype, seed=args.seed, step_timeout_s=args.step_timeout_s, **extra,
+        )  # fmt: skip
+        return serve(options)
+    except (ValueError, ConnectionError, OSError) as error:
+        print(f"gpu-worker: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

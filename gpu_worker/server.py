@@ -1,0 +1,163 @@
+"""The worker process: size the cache from the manager, load the model, follow steps, serve Execute."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import kernels
+from gpu_worker.model import LlamaModel
+from gpu_worker.model_config import resolve_model
+from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
+from gpu_worker.service import WorkerServicer
+from gpu_worker.step_follower import StepFollower
+from gpu_worker.weights import load_safetensors, random_weights
+from kv_manager_service.client import KVManagerClient
+from kv_manager_service.ready_line import WORKER_READY_PREFIX
+from kvcache.v1 import kv_manager_pb2 as manager_pb
+from kvcache.v1 import worker_pb2 as pb
+from kvcache.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("gpu_worker.server")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_WINDOWED_KINDS = {manager_pb.GROUP_KIND_FULL_ATTENTION: False, manager_pb.GROUP_KIND_SLIDING_WINDOW: True}
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    manager: str  # HOST:PORT of the kv-manager
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    device: str = "cpu"
+    backend: str = "torch"
+    model: str = "small"  # a built-in name or a checkpoint directory
+    dtype: str | None = None  # None: float32 on a CPU, bfloat16 on CUDA
+    seed: int = 0  # of the random weights, when the model has no checkpoint
+    worker_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    manager_timeout_s: float = 30.0  # to reach the manager at startup
+    step_timeout_s: float = 30.0  # Execute waits this long for its step's delta
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.backend not in kernels.BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(kernels.BACKENDS)}, got {self.backend!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if not self.worker_id:
+            raise ValueError("--worker-id must not be empty")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype or ("bfloat16" if self.device == "cuda" else "float32")]
+
+
+def pool_shape(config: manager_pb.GetConfigResponse) -> PoolShape:
+    """The manager's pool as the runner needs it; refuses kinds of groups this worker cannot run."""
+    groups = []
+    for group in config.groups:
+        if group.kind not in _WINDOWED_KINDS:
+            raise ValueError(
+                f"the manager's group {group.group_id} is {manager_pb.GroupKind.Name(group.kind)}; "
+                "this worker runs full-attention and sliding-window groups"
+            )
+        window = group.sliding_window if _WINDOWED_KINDS[group.kind] else 0
+        groups.append(CacheGroup(group.group_id, group.block_size, window))
+    return PoolShape(config.num_blocks, tuple(groups), config.max_model_len, config.max_num_requests)
+
+
+@dataclasses.dataclass
+class RunningWorker:
+    server: grpc.Server
+    servicer: WorkerServicer
+    address: str
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(grace_s).wait()
+        self.servicer.follower.close()
+        self.servicer.manager.close()
+
+
+def start_worker(options: WorkerOptions) -> RunningWorker:
+    """Connect to the manager, build the model and cache, start serving; returns once it accepts calls."""
+    device = torch.device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available to torch")
+    model_config, checkpoint = resolve_model(options.model)
+    kernel_set = kernels.load(options.backend, device.type)
+    manager = KVManagerClient(options.manager)
+    try:
+        manager.wait_ready(options.manager_timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ConnectionError(f"the manager at {options.manager} did not answer within {options.manager_timeout_s:g}s") from None
+    pool = pool_shape(manager.get_config())
+
+    dtype = options.torch_dtype
+    if checkpoint is None:
+        weights = random_weights(model_config, options.seed, dtype, device)
+    else:
+        weights = load_safetensors(checkpoint, model_config, dtype, device)
+    runner = ModelRunner(LlamaModel(model_config, weights), pool, kernel_set, device, dtype)
+
+    # Start from the manager's present tables; follow every later step.
+    snapshot = manager.block_tables()
+    for table in snapshot.tables:
+        runner.tables.add(table.request_id, table.block_ids)
+    runner.last_applied_step_id = snapshot.step_id
+    if snapshot.tables:
+        log.warning("%d requests were live before this worker started: their KV is not here", len(snapshot.tables))
+    follower = StepFollower(manager, options.worker_id, snapshot.step_id + 1)
+    follower.start()
+
+    info = pb.GetWorkerInfoResponse(
+        worker_id=options.worker_id,
+        model=model_config.name,
+        device=options.device,
+        backend=options.backend,
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=model_config.num_layers,
+        num_blocks=pool.num_blocks,
+        block_size=pool.groups[0].block_size,
+        kv_cache_bytes=runner.kv_cache_bytes,
+    )
+    servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"))
+    pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"could not bind {options.host}:{options.port}")
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "worker %s: model %s (%d layers) on %s/%s %s, %d blocks, KV cache %.1f MiB, following %s from step %d",
+        options.worker_id, model_config.name, model_config.num_layers, options.device, options.backend, info.dtype,
+        pool.num_blocks, runner.kv_cache_bytes / 2**20, options.manager, snapshot.step_id + 1,
+    )  # fmt: skip
+    return RunningWorker(server, servicer, f"{options.host}:{port}")
+
+
+def serve(options: WorkerOptions) -> int:
+    """Run until SIGTERM or SIGINT."""
+    running = start_worker(options)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"{WORKER_READY_PREFIX}{running.address}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    running.stop(grace_s=5.0)
+    return 0

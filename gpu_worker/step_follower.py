@@ -1,0 +1,109 @@
+"""The manager's step deltas, received in the background and handed out in order."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import grpc
+
+from kv_manager_service.client import KVManagerClient
+from kvcache.v1 import kv_manager_pb2 as pb
+
+log = logging.getLogger("gpu_worker.step_follower")
+
+
+class FollowerError(RuntimeError):
+    """The deltas can no longer be followed (the manager dropped steps this worker never saw)."""
+
+
+class StepFollower:
+    """Follows `WatchSteps` from `first_step_id` on, reconnecting where it left off.
+
+    Deltas are kept until taken; `take_through(n)` waits until every step up
+    to n has arrived. Invariant: the deltas held are consecutive, starting at
+    the first step not yet taken.
+    """
+
+    def __init__(self, client: KVManagerClient, worker_id: str, first_step_id: int) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.next_step_id = first_step_id  # the next delta to receive
+        self.deltas: collections.deque[pb.StepDelta] = collections.deque()
+        self.error: FollowerError | None = None
+        self.changed = threading.Condition()
+        self.closed = False
+        self.stream: grpc.Future | None = None
+        self.thread = threading.Thread(target=self._run, name="step-follower", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            stream = self.stream
+            self.changed.notify_all()
+        if stream is not None:
+            stream.cancel()
+        self.thread.join(timeout=5)
+
+    @property
+    def last_received_step_id(self) -> int:
+        with self.changed:
+            return self.next_step_id - 1
+
+    def take_through(self, step_id: int, timeout_s: float) -> list[pb.StepDelta]:
+        """Every delta not yet taken up to `step_id`, oldest first; waits up to `timeout_s` for them.
+
+        Raises TimeoutError when step `step_id` has not arrived in time, and
+        FollowerError when it never will.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while self.next_step_id <= step_id:
+                if self.error is not None:
+                    raise self.error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.closed:
+                    raise TimeoutError(
+                        f"step {step_id} has not arrived from the manager within {timeout_s:g}s "
+                        f"(last received: {self.next_step_id - 1})"
+                    )
+                self.changed.wait(remaining)
+            taken = []
+            while self.deltas and self.deltas[0].step_id <= step_id:
+                taken.append(self.deltas.popleft())
+            return taken
+
+    def _run(self) -> None:
+        backoff_s = 0.05
+        while True:
+            with self.changed:
+                if self.closed:
+                    return
+                self.stream = stream = self.client.watch_steps(self.worker_id, self.next_step_id)
+            try:
+                for delta in stream:
+                    with self.changed:
+                        assert delta.step_id == self.next_step_id, (delta.step_id, self.next_step_id)
+                        self.deltas.append(delta)
+                        self.next_step_id += 1
+                        self.changed.notify_all()
+                    backoff_s = 0.05
+            except grpc.RpcError as error:
+                if error.code() is grpc.StatusCode.OUT_OF_RANGE:
+                    with self.changed:
+                        self.error = FollowerError(f"the manager no longer has step {self.next_step_id}: {error.details()}")
+                        self.changed.notify_all()
+                    log.error("%s", self.error)
+                    return
+                if error.code() is not grpc.StatusCode.CANCELLED:
+                    log.warning("step stream from %s broke (%s); reconnecting", self.client.address, error.code().name)
+            with self.changed:
+                if self.closed:
+                    return
+                self.changed.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, 2.0)

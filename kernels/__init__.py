@@ -1,0 +1,61 @@
+"""The worker's four kernels, each a Triton kernel beside its torch reference.
+
+Every kernel module exports a Triton launcher `<name>` and a torch
+reference `<name>_reference` with the same signature; `load(backend, device)`
+returns one of the two sets. Shapes (DESIGN.md section 4):
+
+- KV cache of one layer: `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
+  (index 0 of dim 1 is K, 1 is V).
+- Block table of a batch: int32 `[num_reqs, max_blocks]`, row i for request i.
+- `query_start_loc`: int32 `[num_reqs + 1]`, request i's tokens are
+  `query_start_loc[i]:query_start_loc[i + 1]` of the batch.
+- Slot mapping: int64, `-1` where nothing is written. All address math is int64.
+
+Nothing here touches a GPU driver at import time. On a CPU, Triton kernels
+run only under `TRITON_INTERPRET=1`, which must be set before the kernel
+modules are imported: `load("triton", "cpu")` does it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, NamedTuple
+
+BACKENDS = ("torch", "triton")
+_KERNEL_MODULES = ("kernels.store_kv", "kernels.slot_mapping", "kernels.paged_attention", "kernels.copy_blocks")
+
+
+class KernelSet(NamedTuple):
+    store_kv: Callable[..., None]
+    slot_mapping: Callable[..., object]
+    paged_attention: Callable[..., object]
+    copy_blocks: Callable[..., None]
+
+
+def load(backend: str, device: str) -> KernelSet:
+    """The kernels of `backend` ("torch" or "triton") for `device` ("cpu" or "cuda")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        imported = [name for name in _KERNEL_MODULES if name in sys.modules]
+        if imported:
+            raise RuntimeError(
+                f"the Triton backend on a CPU needs TRITON_INTERPRET=1 before {imported[0]} is imported; "
+                "set it in the environment"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+    from kernels import copy_blocks, paged_attention, slot_mapping, store_kv
+
+    suffix = "_reference" if backend == "torch" else ""
+    return KernelSet(
+        getattr(store_kv, "store_kv" + suffix),
+        getattr(slot_mapping, "slot_mapping" + suffix),
+        getattr(paged_attention, "paged_attention" + suffix),
+        getattr(copy_blocks, "copy_blocks" + suffix),
+    )
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (upcast bf16 tiles there)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

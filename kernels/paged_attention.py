@@ -1,0 +1,534 @@
+"""Unified varlen paged attention: prefill and decode tokens of one batch in one launch.
+
+Token j (0-based) of request r, whose query has `q = query_start_loc[r + 1] - query_start_loc[r]`
+tokens, sits at position `p = seq_lens[r] - q + j`; its own K/V are already in the cache. It
+attends to the KV positions
+
+    k <= p                         (causal)
+    k >  p - sliding_window        (only when sliding_window > 0: the window's most recent keys)
+
+and the output is `softmax(scale * q . K^T) V` over those positions, in the query's dtype.
+
+Positions map to the cache through the request's block table:
+
+    position k  ->  kv_cache[block_table[r, k // block_size], :, k % block_size]
+
+Only positions in that range are ever read (the loads themselves are masked), so blocks a
+request does not own, the unused tail of its last block, and blocks a sliding window has
+given back may hold anything, NaN included.
+
+`paged_attention` is the Triton launcher and `paged_attention_reference` the torch version
+(the "torch" backend on a CPU); both take the same arguments. `paged_attention_config` is the
+one place launch parameters are chosen, and `paged_attention_launches` the exact launches the
+launcher makes, so that an offline compile for a GPU builds what runs on it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+
+_LOG2_E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Split-KV bounds: each split gets at least this many keys, and at most this many splits.
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_KV_SPLITS = 32
+
+
+# Per program: one request, BLOCK_Q of its query tokens, and the G = num_q_heads / num_kv_heads
+# query heads that share one KV head, packed as the M rows of the dot (row m is token m // G,
+# head m % G; BLOCK_M = next power of two >= BLOCK_Q * G, at least 16), over one of the
+# NUM_KV_SPLITS segments of that tile's KV range. Keys are tiled by position, BLOCK_N at a
+# time; each key's physical slot is gathered from the block table, so no dot dimension
+# depends on the block size. Online softmax in base 2 (scale folded with log2 e):
+#
+#     m' = max(m, max_j s_j)        p_j = 2^(s_j - m')        alpha = 2^(m - m')
+#     l' = l * alpha + sum_j p_j    acc' = acc * alpha + p V
+#
+# With one split the program writes acc / l. With several it writes acc / l and
+# lse = m + log2 l to fp32 buffers; `_merge_kv_splits_kernel` combines them.
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_ptr,
+    kv_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    num_reqs,
+    num_q_heads,
+    num_kv_splits,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Request r owns the query tiles starting at query_start_loc[r] // BLOCK_Q + r: enough
+    # for its tokens, so the grid is sized from shapes alone. Find r by binary search.
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        go_right = first_tile <= tile_id
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    req = lo - 1
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = tile_id - (q_start // BLOCK_Q + req)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + req) - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_idx = q_tile * BLOCK_Q + offs_m // NUM_QUERIES_PER_KV
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_ok = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_idx < q_len)
+    d_ok = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(
+        query_ptr + token[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :] * stride_qd,
+        mask=q_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    pos = context_len + q_idx
+
+    # KV range of the whole tile: [kv_begin, kv_end), then this split's share of its
+    # BLOCK_N-aligned key tiles.
+    kv_end = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
+    if SLIDING_WINDOW > 0:
+        kv_begin = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+    else:
+        kv_begin = 0
+    first_kv_tile = kv_begin // BLOCK_N
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N) - first_kv_tile
+    tiles_per_split = tl.cdiv(num_kv_tiles, num_kv_splits)
+    tile_lo = first_kv_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_kv_tile + num_kv_tiles)
+
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
+    for kv_tile in range(tile_lo, tile_hi):
+        k_pos = kv_tile * BLOCK_N + offs_n
+        k_ok = (k_pos >= kv_begin) & (k_pos < kv_end)
+        block_id = tl.load(block_table_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        slot = block_id.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_cs + head_offset
+        k = tl.load(
+            kv_cache_ptr + slot[None, :] + offs_d[:, None] * stride_cd,
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            kv_cache_ptr + stride_ckv + slot[:, None] + offs_d[None, :] * stride_cd,
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        visible = k_pos[None, :] <= pos[:, None]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (k_pos[None, :] > pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf: shift by 0 there, not by -inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    if WRITE_PARTIAL:
+        # Buffers [num_tokens, num_q_heads, num_kv_splits, HEAD_DIM] and [..., num_kv_splits].
+        row = (token * num_q_heads + head) * num_kv_splits + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+    else:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od,
+            acc.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+# out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s; a split that saw no
+# key has lse = -inf and weight 0. One program: one token, BLOCK_H heads, all splits.
+@triton.jit
+def _merge_kv_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    num_q_heads,
+    num_kv_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    h_ok = offs_h < num_q_heads
+    hs_ok = h_ok[:, None] & (offs_s[None, :] < num_kv_splits)
+    row = (token * num_q_heads + offs_h[:, None]) * num_kv_splits + offs_s[None, :]
+    lse = tl.load(part_lse_ptr + row, mask=hs_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max[:, None])
+    total = tl.sum(weight, 1)
+    total = tl.where(total == 0.0, 1.0, total)
+    hsd_ok = hs_ok[:, :, None] & (offs_d[None, None, :] < HEAD_DIM)
+    part = tl.load(part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=hsd_ok, other=0.0)
+    merged = tl.sum(part * weight[:, :, None], 1) / total[:, None]
+    tl.store(
+        out_ptr + token * stride_ot + offs_h[:, None].to(tl.int64) * stride_oh + offs_d[None, :] * stride_od,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=h_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+    )
+
+
+class PagedAttentionConfig(NamedTuple):
+    """Launch parameters of one paged attention call (see `paged_attention_config`)."""
+
+    block_m: int  # rows of the dot: block_q tokens x the query heads of one KV head, padded
+    block_q: int  # query tokens per program
+    block_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+    num_kv_splits: int
+    merge_block_h: int  # query heads per program of the merge kernel
+    merge_num_warps: int
+
+
+class Launch(NamedTuple):
+    """One kernel launch: `kernel[grid](*args, **kwargs)`; kwargs hold constexprs and launch options."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+
+def paged_attention_config(
+    num_tokens: int,
+    num_reqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_kv_len: int,
+    num_sms: int,
+    num_kv_splits: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> PagedAttentionConfig:
+    """Tile sizes, warps and KV splits, from shapes only (no device sync, no driver call).
+
+    `max_kv_len` bounds the longest request (the launcher passes block table width x block
+    size). With `num_kv_splits=None`, decode-shaped batches whose programs would not fill
+    `num_sms` several times over split the KV range, each split keeping at least
+    `_MIN_KEYS_PER_SPLIT` keys; prefill-sized batches have programs enough and never split.
+    float32 (exact fp32 dots, no tensor-core shortcut) takes the smallest tiles: larger ones
+    spill registers on sm_90.
+    """
+    group = num_q_heads // num_kv_heads
+    avg_query_len = -(-num_tokens // max(num_reqs, 1))
+    max_block_m = 16 if dtype == torch.float32 else 64
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(avg_query_len * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    head_dim_p = _head_dim_p(head_dim)
+    if dtype == torch.float32:
+        block_n = 16
+    else:
+        block_n = 64 if head_dim_p <= 128 else 32
+    decode_shaped = avg_query_len * group <= 16
+    num_warps = 4
+    num_stages = 3 if decode_shaped else 2
+
+    if num_kv_splits is None:
+        busy_tiles = max(-(-num_tokens // block_q), min(num_tokens, num_reqs))
+        programs = max(busy_tiles * num_kv_heads, 1)
+        wanted = -(-4 * num_sms // programs)
+        num_kv_splits = max(1, min(wanted, max_kv_len // _MIN_KEYS_PER_SPLIT, _MAX_KV_SPLITS))
+    splits_p = triton.next_power_of_2(num_kv_splits)
+    merge_block_h = max(1, min(triton.next_power_of_2(num_q_heads), 4096 // (splits_p * head_dim_p)))
+    return PagedAttentionConfig(block_m, block_q, block_n, num_warps, num_stages, num_kv_splits, merge_block_h, 4)
+
+
+def _head_dim_p(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int,
+    num_kv_splits: int | None,
+) -> None:
+    """Shape, dtype and device checks that need no look at the data; ValueError names the argument."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got shape {tuple(query.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got shape {tuple(kv_cache.shape)}"
+        )
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} differs from query head_dim {head_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv_cache heads ({num_kv_heads})")
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
+    if kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from query dtype {query.dtype}")
+    for name, t, dim in (("block_table", block_table, 2), ("query_start_loc", query_start_loc, 1),
+                         ("seq_lens", seq_lens, 1)):
+        if t.dim() != dim or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be a {dim}-D int32 tensor, got {t.dim()}-D {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device}, query on {query.device}")
+    if kv_cache.device != query.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1:
+        raise ValueError(
+            f"query_start_loc must have num_reqs + 1 = {num_reqs + 1} entries, got {query_start_loc.shape[0]}"
+        )
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_reqs} requests")
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: no window), got {sliding_window}")
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1 or None, got {num_kv_splits}")
+
+
+def paged_attention_launches(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    config: PagedAttentionConfig,
+    upcast: bool,
+) -> list[Launch]:
+    """The kernel launches that write attention into `out`, in order (allocates the split buffers)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_reqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    assert 1 <= config.block_q and config.block_q * group <= config.block_m, config
+    assert min(config.block_m, config.block_n) >= 16, config  # tl.dot needs every dimension >= 16
+    head_dim_p = _head_dim_p(head_dim)
+    splits = config.num_kv_splits
+    if splits > 1:
+        part_out = torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_tokens, num_q_heads, splits), dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # not read: WRITE_PARTIAL is off
+    grid = (num_tokens // config.block_q + num_reqs, num_kv_heads, splits)
+    main = Launch(
+        _paged_attention_kernel,
+        grid,
+        (
+            out, part_out, part_lse, query, kv_cache, block_table, query_start_loc, seq_lens,
+            scale * _LOG2_E, num_reqs, num_q_heads, splits,
+            *query.stride(), *out.stride(), *kv_cache.stride(), block_table.stride(0),
+        ),
+        dict(
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            BLOCK_SIZE=block_size,
+            NUM_QUERIES_PER_KV=group,
+            BLOCK_M=config.block_m,
+            BLOCK_Q=config.block_q,
+            BLOCK_N=config.block_n,
+            SLIDING_WINDOW=sliding_window,
+            WRITE_PARTIAL=splits > 1,
+            UPCAST=upcast,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        ),
+    )
+    if splits == 1:
+        return [main]
+    merge = Launch(
+        _merge_kv_splits_kernel,
+        (num_tokens, triton.cdiv(num_q_heads, config.merge_block_h)),
+        (out, part_out, part_lse, num_q_heads, splits, *out.stride()),
+        dict(
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            BLOCK_H=config.merge_block_h,
+            SPLITS_P=triton.next_power_of_2(splits),
+            num_warps=config.merge_num_warps,
+        ),
+    )
+    return [main, merge]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = 0,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of every query token over its request's paged KV (Triton); a new tensor like `query`.
+
+    Needs, unchecked (checking would sync with the device): `0 <= query lengths <= seq_lens`,
+    `seq_lens[r] <= block_table.shape[1] * block_size`, and the K/V of every position a token
+    sees already stored. Tokens past `query_start_loc[-1]` are left unwritten.
+    """
+    sliding_window = sliding_window or 0  # None, as a group config without a window says
+    _check_args(query, kv_cache, block_table, query_start_loc, seq_lens, sliding_window, num_kv_splits)
+    out = torch.empty_like(query)
+    num_reqs = seq_lens.shape[0]
+    if query.shape[0] == 0 or num_reqs == 0:
+        return out
+    config = paged_attention_config(
+        query.shape[0], num_reqs, query.shape[1], kv_cache.shape[3], query.shape[2],
+        max_kv_len=block_table.shape[1] * kv_cache.shape[2],
+        num_sms=_num_sms(query.device),
+        num_kv_splits=num_kv_splits,
+        dtype=query.dtype,
+    )
+    launches = paged_attention_launches(
+        out, query, kv_cache, block_table, query_start_loc, seq_lens, scale, sliding_window, config,
+        upcast=kernels.interpreting(),
+    )
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    return out
+
+
+# Query rows per step of the reference: bounds its [heads, rows, keys] score matrix.
+_REFERENCE_QUERY_CHUNK = 256
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = 0,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` in torch, fp32 math: per request, gathers the blocks its range needs.
+
+    Reads the lengths on the host, so it also checks them (ValueError). `num_kv_splits`
+    changes nothing here (it is accepted so that both backends share one signature).
+    """
+    sliding_window = sliding_window or 0  # None, as a group config without a window says
+    _check_args(query, kv_cache, block_table, query_start_loc, seq_lens, sliding_window, num_kv_splits)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    out = torch.empty_like(query)
+    for r, seq_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        q_len = q_end - q_start
+        if q_len < 0 or q_len > seq_len or q_end > query.shape[0]:
+            raise ValueError(
+                f"request {r}: query_start_loc gives {q_len} tokens at {q_start}, seq_lens {seq_len}, "
+                f"query has {query.shape[0]} tokens"
+            )
+        if seq_len > block_table.shape[1] * block_size:
+            raise ValueError(f"request {r}: seq_lens {seq_len} exceeds its block_table row")
+        if q_len == 0:
+            continue
+        context_len = seq_len - q_len
+        kv_begin = max(0, context_len - sliding_window + 1) if sliding_window else 0
+        first_block = kv_begin // block_size
+        block_ids = block_table[r, first_block : -(-seq_len // block_size)].long()
+        kv = kv_cache[block_ids].transpose(0, 1).reshape(2, -1, num_kv_heads, head_dim)
+        kv = kv[:, kv_begin - first_block * block_size : seq_len - first_block * block_size].float()
+        k = kv[0].permute(1, 2, 0)  # [kv_heads, head_dim, keys]
+        v = kv[1].transpose(0, 1)  # [kv_heads, keys, head_dim]
+        k_pos = torch.arange(kv_begin, seq_len, device=query.device)
+        for c in range(q_start, q_end, _REFERENCE_QUERY_CHUNK):
+            rows = min(_REFERENCE_QUERY_CHUNK, q_end - c)
+            q = query[c : c + rows].float().reshape(rows, num_kv_heads, group, head_dim)
+            q = q.permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, head_dim)
+            scores = torch.bmm(q, k) * scale  # [kv_heads, rows * group, keys]
+            pos = context_len + (c - q_start) + torch.arange(rows, device=query.device)
+            visible = k_pos[None, :] <= pos[:, None]
+            if sliding_window:
+                visible &= k_pos[None, :] > pos[:, None] - sliding_window
+            visible = visible.repeat_interleave(group, dim=0)
+            scores.masked_fill_(~visible, float("-inf"))
+            o = torch.bmm(torch.softmax(scores, dim=-1), v)  # [kv_heads, rows * group, head_dim]
+            out[c : c + rows] = o.view(num_kv_heads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(
+                rows, num_q_heads, head_dim
+            ).to(query.dtype)
+    return out

@@ -1,0 +1,72 @@
+"""A typed client of one GPU worker's `WorkerService`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import grpc
+
+from kvcache.v1 import worker_pb2 as pb
+from kvcache.v1 import worker_pb2_grpc as pb_grpc
+
+
+class Scheduled(NamedTuple):
+    """Tokens of one request to compute in a step, from `start_position` on."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    start_position: int
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class NextToken(NamedTuple):
+    request_id: str
+    token_id: int
+    logprob: float
+
+
+class ExecuteResult(NamedTuple):
+    step_id: int
+    outputs: tuple[NextToken, ...]  # one per scheduled request, in order
+    forward_ms: float
+
+
+class WorkerClient:
+    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.WorkerServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "WorkerClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def execute(self, step_id: int, requests: Sequence[Scheduled]) -> ExecuteResult:
+        request = pb.ExecuteRequest(
+            step_id=step_id,
+            requests=[
+                pb.ScheduledRequest(
+                    request_id=r.request_id,
+                    token_ids=r.token_ids,
+                    start_position=r.start_position,
+                    sampling=pb.Sampling(temperature=r.temperature, seed=r.seed),
+                )
+                for r in requests
+            ],
+        )
+        response = self.stub.Execute(request, timeout=self.timeout_s)
+        outputs = tuple(NextToken(o.request_id, o.token_id, o.logprob) for o in response.outputs)
+        return ExecuteResult(response.step_id, outputs, response.forward_ms)
+
+    def info(self) -> pb.GetWorkerInfoResponse:
+        return self.stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=self.timeout_s)

@@ -1,0 +1,104 @@
+"""A manager process, a worker process and the reference scheduler, and the dense oracle they must match."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from processes import launch, stop_all
+
+from gpu_worker.model import LlamaModel
+from gpu_worker.model_config import resolve_model
+from gpu_worker.sampling import GREEDY, SamplingParams, choose
+from gpu_worker.weights import load_safetensors, random_weights
+from kv_manager_service.client import KVManagerClient
+from kv_manager_service.launch import LaunchedProcess
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from reference_scheduler import ReferenceScheduler, Sampling, WorkerClient
+from reference_scheduler.scheduler import Request
+
+
+@dataclasses.dataclass
+class Stack:
+    manager: LaunchedProcess
+    worker: LaunchedProcess
+    manager_client: KVManagerClient
+    worker_client: WorkerClient
+
+    def scheduler(self) -> ReferenceScheduler:
+        return ReferenceScheduler(self.manager_client, self.worker_client)
+
+
+def start_stack(
+    directory: Path, model: str, backend: str, pool: dict, seed: int = 0, worker_args: Sequence[str] = ()
+) -> tuple[Stack, list[LaunchedProcess]]:
+    """`kv-manager serve` and `gpu-worker` as real processes, as a user starts them."""
+    config_path = directory / "pool.json"
+    config_path.write_text(json.dumps(pool))
+    processes = []
+    try:
+        manager = launch(
+            [sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--config", str(config_path)],
+            MANAGER_READY_PREFIX,
+            directory / "manager.log",
+        )
+        processes.append(manager)
+        worker = launch(
+            [
+                sys.executable, "-m", "gpu_worker.cli", "--manager", manager.address, "--port", "0",
+                "--device", "cpu", "--backend", backend, "--model", model, "--seed", str(seed), "--worker-id", "worker-0", *worker_args,
+            ],
+            WORKER_READY_PREFIX,
+            directory / "worker.log",
+        )  # fmt: skip
+        processes.append(worker)
+    except BaseException:
+        stop_all(processes)
+        raise
+    return Stack(manager, worker, KVManagerClient(manager.address), WorkerClient(worker.address)), processes
+
+
+def stop_stack(stack: Stack, processes: list[LaunchedProcess]) -> list[str]:
+    stack.manager_client.close()
+    stack.worker_client.close()
+    return stop_all(processes)
+
+
+class DenseOracle:
+    """The worker's model, run densely: every token recomputed from the whole sequence, no cache."""
+
+    def __init__(self, model: str, seed: int = 0) -> None:
+        config, checkpoint = resolve_model(model)
+        cpu = torch.device("cpu")
+        if checkpoint is None:
+            weights = random_weights(config, seed, torch.float32, cpu)
+        else:
+            weights = load_safetensors(checkpoint, config, torch.float32, cpu)
+        self.model = LlamaModel(config, weights)
+
+    def next_token(self, tokens: Sequence[int], sampling: SamplingParams) -> tuple[int, float]:
+        logits = self.model.dense_logits(torch.tensor(list(tokens), dtype=torch.int64))
+        return choose(logits, sampling, len(tokens))
+
+    def check(self, request: Request, samplings: Iterator[Sampling] | None = None, logprob_atol: float = 1e-3) -> None:
+        """Each output token equals the dense choice for the tokens before it.
+
+        `samplings` yields the sampling used at each output index (default: the request's own).
+        """
+        tokens = request.tokens
+        for index, token_id in enumerate(request.output):
+            sampling = next(samplings) if samplings is not None else request.sampling
+            position = len(request.prompt) + index
+            expected, logprob = self.next_token(tokens[:position], SamplingParams(sampling.temperature, sampling.seed))
+            assert token_id == expected, (
+                f"{request.request_id}: output {index} (position {position}) is {token_id}, the dense pass chose {expected}"
+            )
+            assert abs(request.logprobs[index] - logprob) <= logprob_atol, (request.request_id, index, request.logprobs[index], logprob)
+
+
+def greedy() -> Sampling:
+    return Sampling(GREEDY.temperature, GREEDY.seed)

@@ -1,0 +1,123 @@
+"""copy_blocks: the Triton kernel and the torch reference copy the same bits, and only onto destinations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sm90_support import compile_for_sm90
+
+from kernels import interpreting
+from kernels.copy_blocks import _MAX_CHUNK, _copy_blocks_kernel, copy_blocks, copy_blocks_reference
+
+# Under the interpreter kernels take CPU tensors; on a CUDA machine, GPU ones.
+# Bad-argument tests stay on the CPU: they raise before any launch.
+DEVICE = "cpu" if interpreting() else "cuda"
+
+IMPLS = [copy_blocks, copy_blocks_reference]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (block_size, num_kv_heads, head_dim); the last block (5,120 elements) takes
+# the kernel more than one chunk, the last one partial.
+LAYOUTS = [(1, 1, 16), (8, 2, 40), (16, 4, 40)]
+NUM_LAYERS = 3
+NUM_BLOCKS = 10
+# Block 1 is copied twice; block 0 (the null block) is a destination like any other.
+COPIES = [(1, 5), (2, 7), (1, 8), (9, 0)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of t, so that comparisons see NaN payloads and -0.0."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns of dtype: NaNs with payloads, infinities, subnormals, -0.0 and all."""
+    int_dtype = bits(torch.empty(0, dtype=dtype)).dtype
+    info = torch.iinfo(int_dtype)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(info.min, info.max, shape, dtype=int_dtype, generator=g).view(dtype)
+
+
+def loop_copy(kv_caches, copies) -> list[torch.Tensor]:
+    """An independent copy_blocks: one block of one layer at a time, in plain Python."""
+    out = [layer.clone() for layer in kv_caches]
+    for layer, original in zip(out, kv_caches):
+        for src, dst in copies.tolist():
+            layer[dst] = original[src]
+    return out
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_and_reference_copy_the_same_bits(dtype, block_size, num_kv_heads, head_dim) -> None:
+    shape = (NUM_BLOCKS, 2, block_size, num_kv_heads, head_dim)
+    layers = [random_bits(shape, dtype, seed=layer) for layer in range(NUM_LAYERS)]
+    copies = torch.tensor(COPIES)
+    expected = loop_copy(layers, copies)
+    destinations = {dst for _, dst in COPIES}
+
+    for impl in IMPLS:
+        out = [layer.to(DEVICE) for layer in layers]
+        impl(out, copies)
+        for layer, want, before in zip((layer.cpu() for layer in out), expected, layers):
+            assert torch.equal(bits(layer), bits(want))
+            for block_id in range(NUM_BLOCKS):
+                if block_id not in destinations:
+                    assert torch.equal(bits(layer[block_id]), bits(before[block_id]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_layers_with_a_gap_between_blocks(impl) -> None:
+    """Each layer a view with padding between blocks; the padding stays as it was."""
+    before = random_bits((NUM_LAYERS, NUM_BLOCKS, 3, 8, 2, 24), torch.bfloat16, seed=11)
+    copies = torch.tensor(COPIES)
+    expected = loop_copy([before[layer, :, :2] for layer in range(NUM_LAYERS)], copies)
+
+    storage = before.to(DEVICE, copy=True)
+    impl([storage[layer, :, :2] for layer in range(NUM_LAYERS)], copies.to(DEVICE))
+    storage = storage.cpu()
+    for layer, want in enumerate(expected):
+        assert torch.equal(bits(storage[layer, :, :2]), bits(want))
+    assert torch.equal(bits(storage[:, :, 2]), bits(before[:, :, 2]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_copies_change_nothing(impl) -> None:
+    layers = [random_bits((4, 2, 8, 2, 16), torch.float16, seed=layer).to(DEVICE) for layer in range(2)]
+    before = [layer.clone() for layer in layers]
+    impl(layers, torch.empty(0, 2, dtype=torch.int64, device=DEVICE))
+    for layer, original in zip(layers, before):
+        assert torch.equal(bits(layer), bits(original))
+
+
+# (argument the error names, what is wrong, call arguments built from a good call's)
+BAD_CALLS = [
+    ("kv_caches", "no layers", lambda c, cp: ([], cp)),
+    ("kv_caches", "no K/V dim", lambda c, cp: ([layer[:, 0] for layer in c], cp)),
+    ("kv_caches", "non-contiguous block", lambda c, cp: ([layer.transpose(3, 4) for layer in c], cp)),
+    ("kv_caches", "layer shape", lambda c, cp: ([c[0], c[1][:, :, :4]], cp)),
+    ("kv_caches", "layer dtype", lambda c, cp: ([c[0], c[1].view(torch.int16)], cp)),
+    ("copies", "int32", lambda c, cp: (c, cp.int())),
+    ("copies", "1-D", lambda c, cp: (c, cp[0])),
+    ("copies", "three columns", lambda c, cp: (c, torch.cat([cp, cp[:, :1]], dim=1))),
+    ("copies", "past num_blocks", lambda c, cp: (c, torch.tensor([[1, 3], [2, 6]]))),
+    ("copies", "negative id", lambda c, cp: (c, torch.tensor([[1, 3], [-1, 4]]))),
+    ("copies", "repeated destination", lambda c, cp: (c, torch.tensor([[1, 3], [2, 3]]))),
+    ("copies", "destination also a source", lambda c, cp: (c, torch.tensor([[1, 3], [3, 4]]))),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,problem,make_args", BAD_CALLS, ids=[f"{n}-{p}" for n, p, _ in BAD_CALLS])
+def test_bad_arguments_raise_value_error_naming_the_argument(impl, name, problem, make_args) -> None:
+    layers = [torch.zeros(6, 2, 8, 2, 16, dtype=torch.float16) for _ in range(2)]
+    with pytest.raises(ValueError, match=name):
+        impl(*make_args(layers, torch.tensor([[1, 3], [2, 4]])))
+    assert not any(layer.any() for layer in layers)
+
+
+def test_kernel_compiles_for_sm90(tmp_path) -> None:
+    """The interpreter accepts what a GPU compiler refuses."""
+    signature = {"layer_ptrs_ptr": "*i64", "first_layer_ptr": "*i16", "copies_ptr": "*i64"}
+    signature.update(block_stride="i64", block_numel="i32")
+    variants = [{"CHUNK": _MAX_CHUNK}, {"CHUNK": 16, "block_numel": 1}]
+    compile_for_sm90(_copy_blocks_kernel, signature, variants, tmp_path)

@@ -1,0 +1,244 @@
+"""Paged attention: the Triton kernel against the torch reference, the reference against SDPA.
+
+Every cache block a request does not own, the unused tail of its last block, the null block
+(0) and blocks a sliding window has dropped from the table are NaN: a stray read poisons the
+output. Block tables are shuffled. Without a GPU the kernel runs in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.paged_attention import (
+    PagedAttentionConfig,
+    paged_attention,
+    paged_attention_config,
+    paged_attention_launches,
+    paged_attention_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (atol, rtol) of the kernel against the reference, per dtype.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (3e-3, 3e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+# (query length, KV length) per request: every query length (1, 5, 16) and KV length
+# (1, 15, 16, 17, 64) of the test plan, decodes and prefills mixed, one request with no
+# query tokens this step.
+MIXED = [(1, 1), (5, 15), (16, 16), (1, 17), (16, 64), (0, 9), (5, 64), (1, 64), (16, 17)]
+DECODE = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 64), (1, 40)]
+
+
+class Batch:
+    """A batch over a NaN-poisoned paged cache; `dense_kv(r)` gives request r's K/V contiguous."""
+
+    def __init__(
+        self,
+        lens: list[tuple[int, int]],
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int = 16,
+        sliding_window: int = 0,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.lens = lens
+        self.sliding_window = sliding_window
+        self.scale = 1.0 / math.sqrt(head_dim)
+        blocks_per_req = [-(-kv_len // block_size) for _, kv_len in lens]
+        max_blocks = max(blocks_per_req) + 1  # one column no request uses
+        num_blocks = sum(blocks_per_req) + 3  # null block 0 and two spare blocks, all NaN
+        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        kv_cache = torch.full(shape, float("nan"), dtype=dtype)
+        block_table = torch.zeros((len(lens), max_blocks), dtype=torch.int32)
+        free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        self.dense = []
+        for r, (q_len, kv_len) in enumerate(lens):
+            kv = torch.randn((2, kv_len, num_kv_heads, head_dim), generator=gen).to(dtype)
+            self.dense.append(kv)
+            for b in range(blocks_per_req[r]):
+                block_id = free.pop()
+                block_table[r, b] = block_id
+                n = min(block_size, kv_len - b * block_size)
+                kv_cache[block_id, :, :n] = kv[:, b * block_size : b * block_size + n]
+            if sliding_window:
+                # Blocks no query token of this step can see go back to the null block.
+                first_visible = max(0, kv_len - q_len - sliding_window + 1)
+                block_table[r, : first_visible // block_size] = 0
+        q_lens = torch.tensor([q for q, _ in lens])
+        self.query = torch.randn((int(q_lens.sum()), num_q_heads, head_dim), generator=gen).to(dtype).to(DEVICE)
+        self.kv_cache = kv_cache.to(DEVICE)
+        self.block_table = block_table.to(DEVICE)
+        self.query_start_loc = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
+        self.seq_lens = torch.tensor([kv for _, kv in lens], dtype=torch.int32, device=DEVICE)
+
+    def args(self) -> tuple:
+        return (self.query, self.kv_cache, self.block_table, self.query_start_loc, self.seq_lens, self.scale,
+                self.sliding_window)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    atol, rtol = TOLERANCES[expected.dtype]
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert not actual.isnan().any(), "NaN in the output: a masked position was read"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def run_with_config(batch: Batch, config: PagedAttentionConfig) -> torch.Tensor:
+    """The launcher's launches, with tile sizes and splits forced."""
+    out = torch.empty_like(batch.query)
+    launches = paged_attention_launches(out, *batch.args()[:6], batch.sliding_window, config,
+                                        upcast=kernels.interpreting())
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    return out
+
+
+HEADS = [(4, 4), (8, 2), (5, 1)]
+
+
+@pytest.mark.parametrize("sliding_window", [0, 8])
+@pytest.mark.parametrize("head_dim", [16, 40])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+def test_mixed_batch_matches_reference(dtype, heads, head_dim, sliding_window):
+    batch = Batch(MIXED, *heads, head_dim, dtype, sliding_window=sliding_window)
+    assert_close(paged_attention(*batch.args()), paged_attention_reference(*batch.args()))
+
+
+@pytest.mark.parametrize(
+    "heads, num_kv_splits, sliding_window",
+    [((4, 4), 2, 5), ((8, 2), 3, 0), ((8, 2), 7, 5), ((5, 1), 7, 0), ((5, 1), 3, 5)],
+)
+def test_split_kv_matches_reference(heads, num_kv_splits, sliding_window):
+    """Splits, including more splits than a request has key tiles (empty splits), merged."""
+    batch = Batch(DECODE + MIXED[:3], *heads, 40, torch.bfloat16, sliding_window=sliding_window)
+    out = paged_attention(*batch.args(), num_kv_splits=num_kv_splits)
+    assert_close(out, paged_attention_reference(*batch.args()))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+@pytest.mark.parametrize("sliding_window", [0, 20])
+@pytest.mark.parametrize("heads", [(8, 2), (5, 1)], ids=lambda h: f"q{h[0]}kv{h[1]}")
+def test_small_tiles_many_iterations(heads, sliding_window, num_kv_splits):
+    """16-key tiles and 16-row programs: several KV tiles per split, windows across tiles."""
+    group = heads[0] // heads[1]
+    config = PagedAttentionConfig(16, 16 // group, 16, 4, 2, num_kv_splits, 4, 4)
+    batch = Batch([(1, 64), (16, 64), (5, 33), (1, 17)], *heads, 16, torch.float32, sliding_window=sliding_window)
+    assert_close(run_with_config(batch, config), paged_attention_reference(*batch.args()))
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_other_block_sizes(block_size):
+    batch = Batch(MIXED, 8, 2, 16, torch.float16, block_size=block_size, sliding_window=11)
+    assert_close(paged_attention(*batch.args()), paged_attention_reference(*batch.args()))
+
+
+def test_strided_query():
+    """A query that is a view into a fused QKV tensor (token stride > heads x head_dim)."""
+    batch = Batch(MIXED[:4], 8, 2, 16, torch.float32, sliding_window=4)
+    qkv = torch.randn((batch.query.shape[0], 12, 16), device=DEVICE)
+    qkv[:, :8] = batch.query
+    batch.query = qkv[:, :8]
+    assert not batch.query.is_contiguous()
+    assert_close(paged_attention(*batch.args(), num_kv_splits=2), paged_attention_reference(*batch.args()))
+
+
+def test_decode_only_batch_with_automatic_splits():
+    batch = Batch(DECODE, 8, 2, 40, torch.bfloat16)
+    config = paged_attention_config(len(DECODE), len(DECODE), 8, 2, 40, max_kv_len=64 * 16, num_sms=132)
+    assert config.num_kv_splits > 1
+    assert_close(run_with_config(batch, config), paged_attention_reference(*batch.args()))
+    assert_close(paged_attention(*batch.args()), paged_attention_reference(*batch.args()))
+
+
+def test_split_heuristic():
+    # Decode with few programs splits, each split keeping >= 256 keys; prefill does not split.
+    decode = paged_attention_config(8, 8, 32, 8, 128, max_kv_len=4096, num_sms=132)
+    assert decode.block_m == 16 and 1 < decode.num_kv_splits <= 4096 // 256
+    assert paged_attention_config(8, 8, 32, 8, 128, max_kv_len=300, num_sms=132).num_kv_splits == 1
+    prefill = paged_attention_config(8192, 4, 32, 8, 128, max_kv_len=8192, num_sms=132)
+    assert prefill.num_kv_splits == 1 and prefill.block_m == 64
+    assert paged_attention_config(8, 8, 32, 8, 128, 4096, 132, num_kv_splits=5).num_kv_splits == 5
+
+
+@pytest.mark.parametrize("sliding_window", [0, 6])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+def test_reference_matches_sdpa(heads, sliding_window):
+    num_q_heads, num_kv_heads = heads
+    batch = Batch(MIXED, num_q_heads, num_kv_heads, 40, torch.float32, block_size=5, sliding_window=sliding_window)
+    out = paged_attention_reference(*batch.args())
+    starts = batch.query_start_loc.tolist()
+    for r, (q_len, kv_len) in enumerate(MIXED):
+        if q_len == 0:
+            continue
+        k, v = (x.to(DEVICE).transpose(0, 1).repeat_interleave(num_q_heads // num_kv_heads, 0) for x in batch.dense[r])
+        q = batch.query[starts[r] : starts[r + 1]].transpose(0, 1)
+        pos = torch.arange(kv_len - q_len, kv_len, device=DEVICE)[:, None]
+        k_pos = torch.arange(kv_len, device=DEVICE)[None, :]
+        visible = k_pos <= pos
+        if sliding_window:
+            visible &= k_pos > pos - sliding_window
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=batch.scale).transpose(0, 1)
+        torch.testing.assert_close(out[starts[r] : starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_reference])
+def test_no_window_as_none(attention):
+    batch = Batch([(3, 20), (1, 33)], 4, 2, 16, torch.float32)
+    torch.testing.assert_close(attention(*batch.args()[:6], None), attention(*batch.args()[:6], 0), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_reference])
+def test_empty_batch(attention):
+    batch = Batch([(0, 3), (0, 20)], 4, 4, 16, torch.float32)
+    assert attention(*batch.args()).shape == (0, 4, 16)
+
+
+def _bad(batch: Batch, name: str, value) -> dict:
+    args = dict(zip(["query", "kv_cache", "block_table", "query_start_loc", "seq_lens", "scale", "sliding_window"],
+                    batch.args()))
+    args[name] = value
+    return args
+
+
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_reference])
+def test_bad_arguments_name_the_argument(attention):
+    batch = Batch([(2, 20)], 8, 2, 16, torch.float32)
+    q, kv = batch.query, batch.kv_cache
+    cases = [
+        (_bad(batch, "query", q[0]), "query"),
+        (_bad(batch, "query", q.half()), "kv_cache dtype"),
+        (_bad(batch, "query", q[:, :, :8]), "head_dim"),
+        (_bad(batch, "query", q[:, :3]), "multiple of kv_cache heads"),
+        (_bad(batch, "query", q.double()), "query dtype"),
+        (_bad(batch, "kv_cache", kv[:, 0]), "kv_cache must be"),
+        (_bad(batch, "block_table", batch.block_table.long()), "block_table"),
+        (_bad(batch, "block_table", batch.block_table[:0]), "block_table"),
+        (_bad(batch, "query_start_loc", batch.query_start_loc[:1]), "query_start_loc"),
+        (_bad(batch, "seq_lens", batch.seq_lens[0]), "seq_lens"),
+        (_bad(batch, "sliding_window", -1), "sliding_window"),
+        ({**_bad(batch, "sliding_window", 0), "num_kv_splits": 0}, "num_kv_splits"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            attention(**kwargs)
+
+
+def test_reference_checks_lengths():
+    batch = Batch([(2, 20)], 4, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="request 0"):
+        paged_attention_reference(**_bad(batch, "seq_lens", batch.seq_lens - 19))
+    with pytest.raises(ValueError, match="block_table row"):
+        paged_attention_reference(**_bad(batch, "seq_lens", batch.seq_lens + 64))

@@ -1,0 +1,44 @@
+"""Real server processes for tests, started as a user starts them (`kv_manager_service.launch`).
+
+Each must exit 0 within a few seconds of SIGTERM (graceful shutdown), with no
+traceback in its log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from kv_manager_service import launch as launcher
+from kv_manager_service.launch import LaunchedProcess
+from kv_manager_service.ready_line import NotReadyError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHUTDOWN_TIMEOUT_S = 8.0  # the servers' own grace is 5 s; streams end at once
+
+
+
+def launch(argv: Sequence[str], ready_prefix: str, log_path: Path, env: Mapping[str, str] | None = None) -> LaunchedProcess:
+    """Start a server from the repository root; a start that fails is a test failure with the log."""
+    try:
+        return launcher.launch(argv, ready_prefix, log_path, cwd=ROOT, env=env)
+    except NotReadyError as error:
+        raise AssertionError(str(error)) from None
+
+
+def check_clean_exit(process: LaunchedProcess) -> None:
+    code = process.stop(SHUTDOWN_TIMEOUT_S)
+    log = process.log()
+    assert code == 0, f"{process.args} exited {code} after SIGTERM (graceful shutdown expected)\n{log}"
+    assert "bug in" not in log and "Traceback" not in log, f"{process.args} logged an internal error:\n{log}"
+
+
+def stop_all(processes: Sequence[LaunchedProcess]) -> list[str]:
+    """Stop every process, last started first; the failures of their exit checks."""
+    failures = []
+    for process in reversed(processes):
+        try:
+            check_clean_exit(process)
+        except AssertionError as error:
+            failures.append(str(error))
+    return failures
