@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make run` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test`.
 # Both create .venv on first use and install the project into it.
 
 PYTHON ?= python3
@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup demo run test bench clean
 
 # CPU machines take the CPU build of torch (constraints/cpu.txt); on a GPU
 # machine run `make setup CONSTRAINTS=` after installing torch for its CUDA.
@@ -14,10 +14,13 @@ CONSTRAINTS ?= -c constraints/cpu.txt
 
 $(BIN)/.installed: pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(CONSTRAINTS) -e '.[worker,test,bench]'
+	$(BIN)/pip install --quiet $(CONSTRAINTS) -e '.[worker,demo,test,bench]'
 	touch $@
 
 setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/kv-manager demo $(ARGS)
 
 run: setup
 	$(BIN)/kv-manager replay $(ARGS)

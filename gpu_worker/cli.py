@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Sequence
 
 from gpu_worker.model_config import BUILTIN_MODELS
+from kv_manager_service.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,20 +38,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-timeout-s", type=float, default=30.0,
         help="how long Execute waits for its step to arrive from the manager (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--metrics-port", type=int,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 picks a free port "
+        "(default: no metrics endpoint)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
+    parser.add_argument(
+        "--log-format", default="json", choices=["json", "text"],
+        help="logs on stderr: one JSON object per line, or plain text (default %(default)s)",
+    )  # fmt: skip
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     from gpu_worker.server import WorkerOptions, serve
 
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     try:
         options = WorkerOptions(
             manager=args.manager, host=args.host, port=args.port, device=args.device, backend=args.backend,
-            model=args.model, dtype=args.dtype, seed=args.seed, step_timeout_s=args.step_timeout_s, **extra,
+            model=args.model, dtype=args.dtype, seed=args.seed, step_timeout_s=args.step_timeout_s,
+            metrics_port=args.metrics_port, **extra,
         )  # fmt: skip
         return serve(options)
     except (ValueError, ConnectionError, OSError) as error:

@@ -18,10 +18,11 @@ import kernels
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import resolve_model
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
-from gpu_worker.service import WorkerServicer
+from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, WorkerServicer
 from gpu_worker.step_follower import StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
+from kv_manager_service.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
 from kv_manager_service.ready_line import WORKER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
@@ -46,6 +47,7 @@ class WorkerOptions:
     worker_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     manager_timeout_s: float = 30.0  # to reach the manager at startup
     step_timeout_s: float = 30.0  # Execute waits this long for its step's delta
+    metrics_port: int | None = None  # serve Prometheus metrics on host:metrics_port (0: any free port)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -56,6 +58,8 @@ class WorkerOptions:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if not self.worker_id:
             raise ValueError("--worker-id must not be empty")
 
@@ -83,11 +87,19 @@ class RunningWorker:
     server: grpc.Server
     servicer: WorkerServicer
     address: str
+    metrics: MetricsServer | None = None  # None: no --metrics-port
+
+    @property
+    def metrics_address(self) -> str | None:
+        """HOST:PORT of the Prometheus endpoint (`/metrics`), or None when it is off."""
+        return self.metrics.address if self.metrics is not None else None
 
     def stop(self, grace_s: float) -> None:
         self.server.stop(grace_s).wait()
         self.servicer.follower.close()
         self.servicer.manager.close()
+        if self.metrics is not None:
+            self.metrics.stop()
 
 
 def start_worker(options: WorkerOptions) -> RunningWorker:
@@ -128,17 +140,31 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         backend=options.backend,
         dtype=str(dtype).removeprefix("torch."),
         num_layers=model_config.num_layers,
+        vocab_size=model_config.vocab_size,
         num_blocks=pool.num_blocks,
         block_size=pool.groups[0].block_size,
         kv_cache_bytes=runner.kv_cache_bytes,
     )
-    servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"))
+    interceptors: list[grpc.ServerInterceptor] = []
+    worker_metrics: WorkerMetrics | None = None
+    metrics: MetricsServer | None = None
+    if options.metrics_port is not None:
+        registry = new_registry()
+        worker_metrics = WorkerMetrics(registry, runner)
+        service = pb.DESCRIPTOR.services_by_name["WorkerService"]
+        interceptors.append(RpcMetricsInterceptor(service, registry, "gpu_worker", EXECUTE_DURATION_BUCKETS_S))
+        metrics = start_metrics_server(registry, options.host, options.metrics_port)
+    servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s, worker_metrics)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"), interceptors=interceptors
+    )
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
+        if metrics is not None:
+            metrics.stop()
         raise OSError(f"could not bind {options.host}:{options.port}")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -146,8 +172,11 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         "worker %s: model %s (%d layers) on %s/%s %s, %d blocks, KV cache %.1f MiB, following %s from step %d",
         options.worker_id, model_config.name, model_config.num_layers, options.device, options.backend, info.dtype,
         pool.num_blocks, runner.kv_cache_bytes / 2**20, options.manager, snapshot.step_id + 1,
+        extra={"worker_id": options.worker_id, "manager": options.manager},
     )  # fmt: skip
-    return RunningWorker(server, servicer, f"{options.host}:{port}")
+    if metrics is not None:
+        log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
+    return RunningWorker(server, servicer, f"{options.host}:{port}", metrics)
 
 
 def serve(options: WorkerOptions) -> int:
@@ -159,5 +188,6 @@ def serve(options: WorkerOptions) -> int:
     print(f"{WORKER_READY_PREFIX}{running.address}", flush=True)
     while not stop.wait(1.0):
         pass
+    log.info("shutting down, grace 5.0s")
     running.stop(grace_s=5.0)
     return 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import socket
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from kv_manager_service.arg_types import fraction, positive_int
 from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
 
 # The trace ships in the repository's data/ folder, beside the package.
@@ -75,20 +75,6 @@ def _load_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _scale(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-manager", description="The KV-cache manager of an LLM serving engine.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -100,15 +86,15 @@ def make_parser() -> argparse.ArgumentParser:
         "(chunked prefill, preemption on NO_SPACE). No model runs: only the block manager works.",
     )
     replay.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSON-lines trace (default: %(default)s)")
-    replay.add_argument("--requests", type=_positive_int, default=400, help="replay the first N requests (default %(default)s)")
+    replay.add_argument("--requests", type=positive_int, default=400, help="replay the first N requests (default %(default)s)")
     replay.add_argument(
         "--scale",
-        type=_scale,
+        type=fraction,
         default=1.0,
         help="shrink every 512-token trace block to round(512 * SCALE) tokens, outputs likewise (default %(default)s)",
     )
-    replay.add_argument("--token-budget", type=_positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
-    replay.add_argument("--max-running", type=_positive_int, default=256, help="requests running at once (default %(default)s)")
+    replay.add_argument("--token-budget", type=positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
+    replay.add_argument("--max-running", type=positive_int, default=256, help="requests running at once (default %(default)s)")
     add_pool_flags(replay, default_num_blocks=100_000)
 
     serve = commands.add_parser(
@@ -120,13 +106,13 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     serve.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default %(default)s)")
     serve.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name (default: the host name)")
-    serve.add_argument("--max-workers", type=_positive_int, default=32, help="RPC threads; each open stream holds one (default %(default)s)")
+    serve.add_argument("--max-workers", type=positive_int, default=32, help="RPC threads; each open stream holds one (default %(default)s)")
     serve.add_argument(
-        "--max-tokens-per-call", type=_positive_int, default=1 << 20, help="token ids in one call (default %(default)s)"
+        "--max-tokens-per-call", type=positive_int, default=1 << 20, help="token ids in one call (default %(default)s)"
     )
-    serve.add_argument("--max-ops-per-step", type=_positive_int, default=1 << 16, help="ops in one Step (default %(default)s)")
+    serve.add_argument("--max-ops-per-step", type=positive_int, default=1 << 16, help="ops in one Step (default %(default)s)")
     serve.add_argument(
-        "--max-message-bytes", type=_positive_int, default=64 << 20, help="largest gRPC message (default %(default)s)"
+        "--max-message-bytes", type=positive_int, default=64 << 20, help="largest gRPC message (default %(default)s)"
     )
     serve.add_argument(
         "--redis-url",
@@ -138,18 +124,38 @@ def make_parser() -> argparse.ArgumentParser:
         "--lease-ttl-s", type=float, default=10.0,
         help="the replica's lease in Redis expires after this long without a heartbeat (default %(default)s)",
     )
+    serve.add_argument(
+        "--metrics-port", type=int,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 picks a free port "
+        "(default: no metrics endpoint)",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
+    serve.add_argument(
+        "--log-format", default="json", choices=["json", "text"],
+        help="logs on stderr: one JSON object per line, or plain text (default %(default)s)",
+    )  # fmt: skip
     add_pool_flags(serve, default_num_blocks=16_384)
+
+    demo = commands.add_parser(
+        "demo",
+        help="run a manager, a worker and a scheduler on a scaled Mooncake trace, and report",
+        description="Starts a kv-manager and a gpu-worker (CPU, torch backend) as local processes, or "
+        "connects to running ones (--replica), and replays the first requests of the Mooncake trace "
+        "through the reference scheduler (continuous batching, chunked prefill, preemption on NO_SPACE). "
+        "Prints a report and writes report.json and demo.png. Needs the worker extra.",
+    )
+    from reference_scheduler.demo_flags import add_demo_flags
+
+    add_demo_flags(demo)
     return parser
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kv_manager_service.logs import configure_logging
     from kv_manager_service.server import ServerOptions, serve
     from kv_manager_service.service import ServiceLimits
 
-    logging.basicConfig(
-        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(args.log_level, args.log_format)
     config = build_config(args)
     options = ServerOptions(
         host=args.host,
@@ -161,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         model_name=args.model_name,
         lease_ttl_s=args.lease_ttl_s,
+        metrics_port=args.metrics_port,
     )
     return serve(config, options)
 
@@ -221,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_replay(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "demo":
+            from reference_scheduler.demo import run_demo
+
+            return run_demo(args)
     except ValueError as e:
         parser.exit(2, f"kv-manager: error: {e}\n")
     return 1

@@ -17,6 +17,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_manager_service.core import KVCacheConfig, KVCacheManager
+from kv_manager_service.metrics import (
+    ManagerCollector,
+    MetricsServer,
+    RpcMetricsInterceptor,
+    new_registry,
+    start_metrics_server,
+)
 from kv_manager_service.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.service import KVManagerServicer, ServiceLimits
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -24,7 +31,8 @@ from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kv_manager_service.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVManagerService"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["KVManagerService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -39,10 +47,13 @@ class ServerOptions:
     redis_url: str | None = None  # None: no mirror, the index stays in-process
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
+    metrics_port: int | None = None  # serve Prometheus metrics on host:metrics_port (0: any free port)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if not self.replica_id:
             raise ValueError("replica_id must not be empty")
         if self.max_workers < 2:
@@ -55,14 +66,22 @@ class RunningServer:
     servicer: KVManagerServicer
     health: health.HealthServicer
     address: str
+    metrics: MetricsServer | None = None  # None: no --metrics-port
+
+    @property
+    def metrics_address(self) -> str | None:
+        """HOST:PORT of the Prometheus endpoint (`/metrics`), or None when it is off."""
+        return self.metrics.address if self.metrics is not None else None
 
     def stop(self, grace_s: float) -> None:
-        """Refuse new calls, end the streams, let in-flight calls finish, drop the lease."""
+        """Refuse new calls, end the streams, let in-flight calls finish, drop the lease, close /metrics."""
         self.health.enter_graceful_shutdown()
         self.servicer.close()
         self.server.stop(grace_s).wait()
         if self.servicer.mirror is not None:
             self.servicer.mirror.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
 
 
 def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer:
@@ -71,8 +90,34 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     manager = KVCacheManager(config)
     incarnation = time.time_ns()  # new at every start, and increasing across restarts
     servicer = KVManagerServicer(manager, options.replica_id, incarnation, options.limits)
+    metrics: MetricsServer | None = None
+    interceptors: list[grpc.ServerInterceptor] = []
+    if options.metrics_port is not None:
+        registry = new_registry()
+        registry.register(ManagerCollector(servicer))
+        interceptors.append(RpcMetricsInterceptor(SERVICE, registry, "kvcache"))
+        metrics = start_metrics_server(registry, options.host, options.metrics_port)
+    try:
+        running = _start_grpc(config, options, servicer, interceptors)
+    except BaseException:
+        if metrics is not None:
+            metrics.stop()
+        raise
+    running.metrics = metrics
+    if metrics is not None:
+        log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
+    return running
+
+
+def _start_grpc(
+    config: KVCacheConfig,
+    options: ServerOptions,
+    servicer: KVManagerServicer,
+    interceptors: list[grpc.ServerInterceptor],
+) -> RunningServer:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc"),
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", options.max_message_bytes),
             ("grpc.max_send_message_length", options.max_message_bytes),
@@ -152,6 +197,11 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
         running.servicer.incarnation,
         config.num_blocks,
         len(config.groups),
+        extra={
+            "replica_id": options.replica_id,
+            "incarnation": running.servicer.incarnation,
+            "address": running.address,
+        },
     )
     while not stop.wait(1.0):
         pass

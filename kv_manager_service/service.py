@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kv_manager_service import convert
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
@@ -41,7 +43,8 @@ from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.hashing import HashExtras
 from kv_manager_service.redis_schema import ClusterUnavailableError, Lease
 from kv_manager_service.core.ops import Op
-from kv_manager_service.status import abort
+from kv_manager_service.logs import MAX_LOGGED_IDS
+from kv_manager_service.status import abort, status_code
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -77,9 +80,10 @@ def _unary(method: Callable[..., Response]) -> Callable[..., Response]:
         try:
             return method(self, request, context)
         except KVCacheError as error:
+            log_rejected(method.__name__, request, error)
             abort(context, error)
         except Exception:
-            log.exception("bug in %s", method.__name__)
+            log.exception("bug in %s", method.__name__, extra={"method": method.__name__})
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see the server log")
 
     return wrapper
@@ -339,6 +343,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             for _, delta in self._follow(self.steps, first, "from_step_id", context):
                 yield delta
         except KVCacheError as error:
+            log_rejected("WatchSteps", request, error)
             abort(context, error)
 
     def WatchEvents(self, request: pb.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[pb.KVEvent]:
@@ -349,6 +354,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             for sequence, (_, event) in self._follow(self.events, first, "from_sequence", context):
                 yield convert.kv_event(event, sequence, self.replica_id, self.incarnation)
         except KVCacheError as error:
+            log_rejected("WatchEvents", request, error)
             abort(context, error)
 
     @staticmethod
@@ -372,6 +378,50 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             raise OutOfRangeError(
                 f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", field
             )
+
+
+def log_rejected(method: str, request: Message, error: KVCacheError) -> None:
+    """One INFO line per rejected call: the method, code, reason, field, and the request ids it names."""
+    extra = {"method": method, "code": status_code(error).name, "reason": error.reason, "field": error.field}
+    request_ids = named_request_ids(request, error.field)
+    if request_ids:
+        extra["request_ids"] = request_ids
+    if "worker_id" in request.DESCRIPTOR.fields_by_name:
+        extra["worker_id"] = request.worker_id
+    log.info("%s rejected: %s", method, error, extra=extra)
+
+
+_INDEXED_FIELD = re.compile(r"(ops|decode\.request_ids|decode\.token_ids)\[(\d+)\]")
+
+
+def named_request_ids(request: Message, field: str | None) -> list[str]:
+    """The request ids a rejected call is about (at most MAX_LOGGED_IDS).
+
+    For a Step, those of the op or decode entry the error's field points at
+    (none when it points at neither); for the other calls, every id the request carries.
+    """
+    if isinstance(request, pb.StepRequest):
+        match = _INDEXED_FIELD.match(field or "")
+        if match is None:
+            return []
+        index = int(match.group(2))
+        if match.group(1) == "ops":
+            if index >= len(request.ops):
+                return []
+            op = request.ops[index]
+            kind = op.WhichOneof("op")
+            return _carried_request_ids(getattr(op, kind)) if kind else []
+        return [request.decode.request_ids[index]] if index < len(request.decode.request_ids) else []
+    return _carried_request_ids(request)
+
+
+def _carried_request_ids(message: Message) -> list[str]:
+    fields = message.DESCRIPTOR.fields_by_name
+    ids = [getattr(message, name) for name in ("request_id", "parent_request_id") if name in fields]
+    for name in ("request_ids", "child_request_ids"):
+        if name in fields:
+            ids.extend(getattr(message, name)[:MAX_LOGGED_IDS])
+    return [request_id for request_id in ids if request_id][:MAX_LOGGED_IDS]
 
 
 def _wire_field(field: str | None, num_nested: int, unary: bool) -> str | None:

@@ -6,8 +6,9 @@ traceback in its log.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from kv_manager_service import launch as launcher
 from kv_manager_service.launch import LaunchedProcess
@@ -42,3 +43,14 @@ def stop_all(processes: Sequence[LaunchedProcess]) -> list[str]:
         except AssertionError as error:
             failures.append(str(error))
     return failures
+
+
+def log_records(process: LaunchedProcess) -> list[dict[str, Any]]:
+    """Every stderr line of `process`, each parsed as one JSON object (a line that is not one fails the test)."""
+    records = []
+    for number, line in enumerate(process.log().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise AssertionError(f"stderr line {number} is not JSON: {line!r}") from None
+    return records

@@ -34,15 +34,22 @@ class Stack:
 
 
 def start_stack(
-    directory: Path, model: str, backend: str, pool: dict, seed: int = 0, worker_args: Sequence[str] = ()
+    directory: Path,
+    model: str,
+    backend: str,
+    pool: dict,
+    seed: int = 0,
+    worker_args: Sequence[str] = (),
+    manager_args: Sequence[str] = (),
 ) -> tuple[Stack, list[LaunchedProcess]]:
-    """`kv-manager serve` and `gpu-worker` as real processes, as a user starts them."""
+    """`kv-manager serve` and `gpu-worker` as real processes, as a user starts them; `*_args` are extra flags."""
     config_path = directory / "pool.json"
     config_path.write_text(json.dumps(pool))
     processes = []
     try:
         manager = launch(
-            [sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--config", str(config_path)],
+            [sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--config", str(config_path),
+             "--replica-id", f"replica-{directory.name}", *manager_args],
             MANAGER_READY_PREFIX,
             directory / "manager.log",
         )

@@ -1,0 +1,208 @@
+"""`kv-manager demo`: a manager, a worker and the reference scheduler on a scaled Mooncake trace.
+
+Without `--replica`, the demo starts one `kv-manager serve` and one
+`gpu-worker` (CPU, torch backend) as local processes; with `--replica
+MANAGER=WORKER` (repeatable) it drives services already running, and sends
+each request to the replica holding the longest cached prefix of it (one
+cluster lookup through the Redis mirror when the replicas mirror, else one
+lookup per replica). Every request of the trace is waiting from the start,
+in trace order; a replica takes new requests while its waiting queue is
+short, so routing sees what earlier requests cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from kv_manager_service.client import KVManagerClient
+from kv_manager_service.launch import LaunchedProcess, launch
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
+from kv_manager_service.workload import TokenExpander, TraceRecord, load_trace
+from kvcache.v1 import kv_manager_pb2 as pb
+from reference_scheduler.demo_report import Sample, build_report, print_report, write_figure
+from reference_scheduler.progress import ProgressBar
+from reference_scheduler.scheduler import ReferenceScheduler, SchedulerConfig
+from reference_scheduler.worker_client import WorkerClient
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+@dataclasses.dataclass
+class Replica:
+    """One manager and the worker that follows it, with the scheduler that drives them."""
+
+    replica_id: str
+    manager: KVManagerClient
+    worker: WorkerClient
+    scheduler: ReferenceScheduler
+    block_size: int
+    num_blocks: int
+    mirrored: bool
+    stats_before: pb.GetStatsResponse
+    num_routed: int = 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    trace = args.trace or DEFAULT_TRACE
+    if not trace.exists():
+        raise ValueError(f"trace file {trace} not found; pass --trace PATH")
+    records = load_trace(trace, limit=args.requests)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    processes: list[LaunchedProcess] = []
+    try:
+        pairs = args.replica or [_start_local(args, processes)]
+        replicas = [_connect(manager, worker, args) for manager, worker in pairs]
+        ids = [r.replica_id for r in replicas]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"--replica: the managers' replica ids must differ, got {ids} (set serve --replica-id)")
+        vocab_size = min(r.worker.info().vocab_size for r in replicas)
+        expander = TokenExpander(vocab_size=vocab_size, scale=args.scale)
+        workload = [(f"req-{i}", record) for i, record in enumerate(records)]
+        print(_banner(args, replicas, len(workload)), file=sys.stderr)
+        samples, wall_s = _drive(replicas, workload, expander, args)
+        report = build_report(replicas, samples, wall_s, args)
+        print_report(report)
+        (args.output_dir / "report.json").write_text(report.to_json())
+        write_figure(samples, args.output_dir / "demo.png")
+        print(f"\nwrote {args.output_dir / 'report.json'} and {args.output_dir / 'demo.png'}")
+    finally:
+        for process in reversed(processes):
+            process.stop()
+    return 0
+
+
+def _start_local(args: argparse.Namespace, processes: list[LaunchedProcess]) -> tuple[str, str]:
+    """A manager and a worker as child processes; their logs go to the output directory."""
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError("the demo's local worker needs torch: install the worker extra (pip install '.[worker]') or use --replica")
+    python = sys.executable
+    logs = args.output_dir
+    manager = launch(
+        [python, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--replica-id", "demo",
+         "--num-blocks", str(args.num_blocks), "--block-size", "16"],
+        MANAGER_READY_PREFIX, logs / "manager.log",
+    )  # fmt: skip
+    processes.append(manager)
+    try:
+        worker = launch(
+            [python, "-m", "gpu_worker.cli", "--manager", manager.address, "--model", args.model,
+             "--backend", args.backend, "--device", "cpu", "--worker-id", "demo-worker"],
+            WORKER_READY_PREFIX, logs / "worker.log", timeout_s=300,
+        )  # fmt: skip
+    except NotReadyError as error:
+        raise ValueError(f"the worker did not start: {error}") from None
+    processes.append(worker)
+    return manager.address, worker.address
+
+
+def _connect(manager_address: str, worker_address: str, args: argparse.Namespace) -> Replica:
+    manager = KVManagerClient(manager_address)
+    worker = WorkerClient(worker_address)
+    try:
+        manager.wait_ready(30)
+        worker.wait_ready(300)
+    except Exception:
+        raise ValueError(f"replica {manager_address}={worker_address} did not answer") from None
+    config = manager.get_config()
+    stats = manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+    scheduler = ReferenceScheduler(manager, worker, SchedulerConfig(args.token_budget, args.max_running))
+    return Replica(config.replica_id, manager, worker, scheduler, config.groups[0].block_size, config.num_blocks,
+                   stats.mirror_enabled, stats)  # fmt: skip
+
+
+def _drive(
+    replicas: list[Replica], workload: list[tuple[str, TraceRecord]], expander: TokenExpander, args: argparse.Namespace
+) -> tuple[list[Sample], float]:
+    """Run every request to completion; a sample of the replicas' state after every round of steps."""
+    pending = list(reversed(workload))  # pop() takes them in trace order
+    total = len(workload)
+    samples: list[Sample] = []
+    progress = ProgressBar(total, enabled=not args.no_progress)
+    started = time.perf_counter()
+    while pending or any(r.scheduler.has_work for r in replicas):
+        for replica in replicas:
+            while pending and len(replica.scheduler.waiting) < max(2, args.max_running // 4):
+                request_id, record = pending.pop()
+                prompt = expander.prompt_token_ids(record)
+                target = _route(replicas, prompt) if len(replicas) > 1 else replica
+                target.scheduler.add(request_id, prompt, max(1, round(record.output_length * args.output_scale)))
+                target.num_routed += 1
+        for replica in replicas:
+            if replica.scheduler.has_work:
+                replica.scheduler.step()
+        sample = _sample(replicas, time.perf_counter() - started, args.max_model_len)
+        samples.append(sample)
+        progress.update(sample.num_completed, sample.hit_rate, sample.usage, sample.num_preemptions)
+    for replica in replicas:
+        replica.scheduler.flush()
+    progress.close()
+    return samples, time.perf_counter() - started
+
+
+def _route(replicas: list[Replica], prompt: list[int]) -> Replica:
+    """The replica with the longest cached prefix of `prompt`; ties go to the one with less work."""
+    by_id = {r.replica_id: r for r in replicas}
+    cached: dict[str, int] = {}
+    if all(r.mirrored for r in replicas):
+        _, answers = replicas[0].manager.find_cache_hit(prompt, cluster=True)
+        cached = {a.replica_id: a.num_cached_tokens for a in answers if a.replica_id in by_id}
+    else:
+        for replica in replicas:
+            hit, _ = replica.manager.find_cache_hit(prompt)
+            cached[replica.replica_id] = hit.num_cached_tokens
+    load: Callable[[Replica], int] = lambda r: len(r.scheduler.waiting) + len(r.scheduler.running)  # noqa: E731
+    return max(replicas, key=lambda r: (cached.get(r.replica_id, 0), -load(r)))
+
+
+def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
+    queries = hits = used = total = 0
+    real = paged = own_max = contiguous = 0
+    for replica in replicas:
+        stats = replica.manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+        queries += stats.prefix_cache_queries - replica.stats_before.prefix_cache_queries
+        hits += stats.prefix_cache_hits - replica.stats_before.prefix_cache_hits
+        used += round(stats.usage * (stats.num_blocks - 1))
+        total += stats.num_blocks - 1
+        block_size = replica.block_size
+        for request in replica.scheduler.running:
+            tokens = request.num_computed_tokens
+            real += tokens
+            paged += -(-tokens // block_size) * block_size
+            longest = len(request.prompt) + request.max_new_tokens
+            own_max += longest
+            contiguous += max(max_model_len, longest)
+    schedulers = [r.scheduler for r in replicas]
+    return Sample(
+        t_s=t_s,
+        usage=used / total if total else 0.0,
+        hit_rate=hits / queries if queries else 0.0,
+        num_running=sum(len(s.running) for s in schedulers),
+        num_waiting=sum(len(s.waiting) for s in schedulers),
+        num_completed=sum(1 for s in schedulers for r in s.sequences.values() if r.finished),
+        num_preemptions=sum(s.num_preemptions for s in schedulers),
+        real_tokens=real,
+        paged_slots=paged,
+        own_max_slots=own_max,
+        contiguous_slots=contiguous,
+    )
+
+
+def _banner(args: argparse.Namespace, replicas: list[Replica], num_requests: int) -> str:
+    where = (
+        f"{len(replicas)} replicas ({', '.join(r.replica_id for r in replicas)})"
+        if args.replica
+        else f"a local manager ({replicas[0].num_blocks} blocks x {replicas[0].block_size} tokens) and worker "
+        f"({args.model}, {args.backend} backend, CPU)"
+    )
+    return (
+        f"Replaying the first {num_requests} Mooncake requests (prompts x {args.scale:g}, outputs x "
+        f"{args.output_scale:g}) on {where}; token budget {args.token_budget}, up to {args.max_running} running"
+    )
+
+

@@ -1,0 +1,341 @@
+"""docker-compose.yml and docker-compose.gpu.yml, checked without a container engine.
+
+- Valid: `docker-compose config -q` accepts the file, and the GPU override on top of it.
+- Wired: every command parses with the project's own parsers; every HOST:PORT
+  a command or healthcheck names is a service of the file listening there, and
+  a healthy dependency; each worker follows its own manager; the demo's
+  replicas are exactly the manager/worker pairs; published ports reach
+  something that listens; the GPU override changes only the workers' device
+  and backend.
+- Runs: the same commands as local processes (compose_support translates
+  hosts and ports, nothing else), in dependency order: Redis, both managers,
+  both workers, every healthcheck, then the demo on a small workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from compose_support import (
+    ROOT,
+    LocalPlan,
+    Service,
+    flag_value,
+    listen_ports,
+    load_services,
+    references,
+    start_order,
+    with_flag,
+)
+from processes import launch, stop_all
+
+from gpu_worker.cli import build_parser
+from kv_manager_service.cli import make_parser
+from kv_manager_service.client import KVManagerClient
+from kv_manager_service.launch import LaunchedProcess
+from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from kv_manager_service.redis_schema import KeySchema
+from kvcache.v1 import kv_manager_pb2 as pb
+
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+GPU_FILE = ROOT / "docker-compose.gpu.yml"
+SERVICES = load_services(COMPOSE_FILE)
+MANAGERS = [n for n, s in SERVICES.items() if s.command[:2] == ("kv-manager", "serve")]
+WORKERS = [n for n, s in SERVICES.items() if s.command[:1] == ("gpu-worker",)]
+DEMOS = [n for n, s in SERVICES.items() if s.command[:2] == ("kv-manager", "demo")]
+REDIS = [n for n, s in SERVICES.items() if s.command[:1] == ("redis-server",)]
+
+LOCAL_REQUESTS = 12  # the compose file's demo replays 120: a few seconds' worth here
+READY_TIMEOUT_S = 30.0  # hang guards, not expectations
+DEMO_TIMEOUT_S = 900.0
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def parse(service: Service) -> argparse.Namespace:
+    """The service's command parsed by the project's own parser (fails the test on a parse error)."""
+    parser = build_parser() if service.command[0] == "gpu-worker" else make_parser()
+    try:
+        return parser.parse_args(list(service.command[1:]))
+    except SystemExit:
+        pytest.fail(f"{service.name}: {parser.prog} rejects {list(service.command)} (see the captured stderr)")
+
+
+def docker_compose(*args: str) -> subprocess.CompletedProcess:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (.ci/run installs it)")
+    return subprocess.run([binary, *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+# -- valid compose -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, GPU_FILE]], ids=["cpu", "gpu"])
+def test_compose_config_is_valid(files: list[Path]) -> None:
+    result = docker_compose(*[arg for path in files for arg in ("-f", str(path))], "config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_gpu_override_changes_only_device_and_backend() -> None:
+    result = docker_compose("-f", str(COMPOSE_FILE), "-f", str(GPU_FILE), "config")
+    assert result.returncode == 0, result.stderr
+    merged = config_services(result.stdout)
+    base = config_services(docker_compose("-f", str(COMPOSE_FILE), "config").stdout)
+    assert merged.keys() == base.keys()
+    worker_image, worker_build = merged[WORKERS[0]]["image"], merged[WORKERS[0]]["build"]
+    for name in WORKERS:
+        gpu, cpu = merged[name], base[name]
+        gpu_args = vars(build_parser().parse_args([str(a) for a in gpu.pop("command")[1:]]))
+        cpu_args = vars(build_parser().parse_args([str(a) for a in cpu.pop("command")[1:]]))
+        assert gpu_args == {**cpu_args, "device": "cuda", "backend": "triton"}, name
+        assert gpu.pop("build")["args"]["TORCH_VARIANT"] != "cpu", name
+        assert cpu.pop("build")["args"]["TORCH_VARIANT"] == "cpu", name
+        assert gpu.pop("image") == worker_image != cpu.pop("image"), name
+        devices = gpu.pop("deploy")["resources"]["reservations"]["devices"]
+        assert [d["driver"] for d in devices] == ["nvidia"] and "gpu" in devices[0]["capabilities"], name
+        assert gpu == cpu, f"the GPU override changes more of {name} than its command, image and GPU"
+    for name in DEMOS:  # one CUDA image serves the workers and the demo
+        assert merged[name]["image"] == worker_image
+        assert merged[name]["build"] == worker_build
+    for name in set(merged) - set(WORKERS) - set(DEMOS):
+        assert merged[name] == base[name], f"the GPU override changes {name}"
+
+
+def config_services(text: str) -> dict:
+    """The services of `docker-compose config`'s output, published ports sorted (merging reorders them)."""
+    services = yaml.safe_load(text)["services"]
+    for service in services.values():
+        if "ports" in service:
+            service["ports"] = sorted(service["ports"])
+    return services
+
+
+# -- wiring --------------------------------------------------------------------------
+
+
+def test_the_expected_services_are_there() -> None:
+    assert sorted(SERVICES) == ["demo", "manager-a", "manager-b", "redis", "worker-a", "worker-b"]
+    assert (len(REDIS), len(MANAGERS), len(WORKERS), len(DEMOS)) == (1, 2, 2, 1)
+    assert SERVICES[REDIS[0]].raw["image"].startswith("redis:7")
+
+
+@pytest.mark.parametrize("name", MANAGERS + WORKERS + DEMOS)
+def test_command_parses_with_the_project_parser(name: str) -> None:
+    args = parse(SERVICES[name])
+    if name in WORKERS:
+        assert (args.device, args.backend) == ("cpu", "torch")
+    if name in MANAGERS + WORKERS:
+        assert args.host == "0.0.0.0", "a server in a container must listen beyond its loopback"
+
+
+def test_every_address_names_a_service_listening_there() -> None:
+    for name, service in SERVICES.items():
+        for host, port in references(service.command):
+            assert host in SERVICES, f"{name} refers to {host}:{port}, which is not a service of the file"
+            assert port in listen_ports(SERVICES[host]), (
+                f"{name} refers to {host}:{port}; {host} listens on {listen_ports(SERVICES[host])}"
+            )
+        for host, port in references(service.healthcheck or ()):
+            assert host in ("127.0.0.1", "localhost"), f"{name}'s healthcheck probes {host}: it should probe itself"
+            assert port in listen_ports(service), (
+                f"{name}'s healthcheck probes port {port}; it listens on {listen_ports(service)}"
+            )
+
+
+def test_a_service_waits_for_every_service_it_refers_to() -> None:
+    for name, service in SERVICES.items():
+        for host in {host for host, _ in references(service.command)}:
+            assert service.depends_on.get(host) == "service_healthy", (
+                f"{name} refers to {host} without waiting for it to be healthy"
+            )
+            assert SERVICES[host].healthcheck is not None, (
+                f"{name} waits for {host} to be healthy, but {host} has no healthcheck"
+            )
+    assert start_order(SERVICES)[-1] in DEMOS
+
+
+def test_replicas_are_wired_pairwise() -> None:
+    managers = {name: parse(SERVICES[name]) for name in MANAGERS}
+    workers = {name: parse(SERVICES[name]) for name in WORKERS}
+    # Each manager mirrors to the file's Redis, under one model name, with its own replica id.
+    for name, args in managers.items():
+        assert [host for host, _ in references([args.redis_url])] == REDIS, name
+    assert len({args.model_name for args in managers.values()}) == 1
+    assert len({args.replica_id for args in managers.values()}) == len(managers)
+    # Each worker follows a different manager, and every manager has one.
+    followed = [references([args.manager])[0][0] for args in workers.values()]
+    assert sorted(followed) == sorted(MANAGERS)
+    # The demo drives exactly those pairs.
+    pairs = {(args.manager, f"{name}:{args.port}") for name, args in workers.items()}
+    for name in DEMOS:
+        assert set(parse(SERVICES[name]).replica) == pairs
+        assert len(parse(SERVICES[name]).replica) == len(pairs)
+
+
+def test_published_ports_reach_a_listening_port_on_the_loopback() -> None:
+    host_ports = []
+    for name, service in SERVICES.items():
+        for published in service.ports:
+            assert published.container_port in listen_ports(service), (
+                f"{name} publishes {published.container_port}, not a port it listens on"
+            )
+            assert published.host_ip == "127.0.0.1", (
+                f"{name} publishes port {published.host_port} beyond the host's loopback"
+            )
+            host_ports.append(published.host_port)
+        if name in MANAGERS + WORKERS:
+            assert {p.container_port for p in service.ports} == set(listen_ports(service)), (
+                f"{name}: publish gRPC and metrics"
+            )
+    assert len(host_ports) == len(set(host_ports)), f"a host port is published twice: {sorted(host_ports)}"
+
+
+def test_images_build_from_what_the_context_holds() -> None:
+    """Build args are ARGs of their Dockerfile; COPY sources exist and .dockerignore keeps them."""
+    gpu = yaml.safe_load(GPU_FILE.read_text(encoding="utf-8"))["services"]
+    ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    for name, service in SERVICES.items():
+        build = service.raw.get("build")
+        if build is None:
+            continue
+        context = ROOT / build["context"]
+        dockerfile = context / build["dockerfile"]
+        text = dockerfile.read_text(encoding="utf-8")
+        declared = set(re.findall(r"^ARG (\w+)", text, re.MULTILINE))
+        for args in (build.get("args", {}), gpu.get(name, {}).get("build", {}).get("args", {})):
+            assert set(args) <= declared, f"{name}: build args {set(args) - declared} are not ARGs of {dockerfile.name}"
+        for source in re.findall(r"^COPY (?!--from)(\S+) ", text, re.MULTILINE):
+            assert (context / source).exists(), f"{dockerfile.name} copies {source}, which does not exist"
+            assert source.split("/")[0] not in ignored, (
+                f"{dockerfile.name} copies {source}, which .dockerignore leaves out"
+            )
+
+
+def test_the_manager_image_installs_no_worker_extra() -> None:
+    """The manager runs without torch or Triton: its image installs the redis extra only."""
+    manager = next(SERVICES[name].raw["build"] for name in MANAGERS)
+    text = (ROOT / manager["context"] / manager["dockerfile"]).read_text(encoding="utf-8")
+    installs = re.findall(r"pip install [^\n]*\.\[([\w,]+)\]", text)
+    assert installs == ["redis"], f"the manager image installs the extras {installs}"
+
+
+# -- running the file's commands on one machine ---------------------------------------
+
+
+@pytest.mark.slow
+def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    plan = LocalPlan(SERVICES)
+    processes: list[LaunchedProcess] = []
+    failures: list[str] = []
+    try:
+        for name in start_order(SERVICES):
+            if name in REDIS:
+                processes.append(start_redis(plan, name, tmp_path))
+            elif name in MANAGERS or name in WORKERS:
+                prefix = MANAGER_READY_PREFIX if name in MANAGERS else WORKER_READY_PREFIX
+                process = launch(plan.command(name), prefix, tmp_path / f"{name}.log", env=plan.environment(name))
+                processes.append(process)
+                assert process.address == plan.address(name, int(flag_value(SERVICES[name].command, "--port")))
+        for name in SERVICES:
+            check_healthy(plan, name)
+        for name in DEMOS:
+            run_demo(plan, name, tmp_path / name)
+        check_managers(plan)
+        check_metrics(plan)
+    finally:
+        failures = stop_all(processes)
+    assert not failures, "\n\n".join(failures)
+
+
+def start_redis(plan: LocalPlan, name: str, directory: Path) -> LaunchedProcess:
+    """redis-server has no ready line: it is ready when its healthcheck passes, as for compose."""
+    argv = plan.command(name)
+    log_path = directory / f"{name}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            argv, cwd=directory, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    started = LaunchedProcess(process, plan.address(name, listen_ports(SERVICES[name])[0]), log_path, argv)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while healthcheck(plan, name).returncode != 0:
+        if process.poll() is not None or time.monotonic() > deadline:
+            started.stop()
+            raise AssertionError(f"{argv} did not become healthy:\n{started.log()}")
+        time.sleep(0.05)
+    return started
+
+
+def healthcheck(plan: LocalPlan, name: str) -> subprocess.CompletedProcess:
+    test = plan.healthcheck(name)
+    assert test is not None, f"{name} has no healthcheck"
+    return subprocess.run(test, check=False, capture_output=True, text=True, env=plan.environment(name), timeout=60)
+
+
+def check_healthy(plan: LocalPlan, name: str) -> None:
+    if SERVICES[name].healthcheck is None:
+        return
+    result = healthcheck(plan, name)
+    assert result.returncode == 0, (
+        f"{name}'s healthcheck {plan.healthcheck(name)} failed:\n{result.stdout}{result.stderr}"
+    )
+
+
+def run_demo(plan: LocalPlan, name: str, output_dir: Path) -> None:
+    argv = with_flag(plan.command(name), "--output-dir", str(output_dir))
+    argv = with_flag(argv, "--requests", str(LOCAL_REQUESTS))
+    result = subprocess.run(
+        argv, check=False, cwd=ROOT, env=plan.environment(name), capture_output=True, text=True, timeout=DEMO_TIMEOUT_S
+    )
+    assert result.returncode == 0, f"{argv} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+
+    report = json.loads((output_dir / "report.json").read_text())
+    assert report["num_requests"] == LOCAL_REQUESTS
+    assert report["num_completed"] == LOCAL_REQUESTS
+    assert report["num_generated_tokens"] >= LOCAL_REQUESTS
+    assert 0.0 <= report["prefix_hit_rate"] <= 1.0
+    replica_ids = {parse(SERVICES[m]).replica_id for m in MANAGERS}
+    routed = report["requests_per_replica"]
+    assert set(routed) == replica_ids and sum(routed.values()) == LOCAL_REQUESTS
+    assert all(count > 0 for count in routed.values()), f"a replica got no request: {routed}"
+    assert (output_dir / "demo.png").read_bytes()[: len(PNG_SIGNATURE)] == PNG_SIGNATURE
+
+
+def check_managers(plan: LocalPlan) -> None:
+    """Each manager served the demo's requests and mirrored them to Redis without a failure."""
+    for name in MANAGERS:
+        args = parse(SERVICES[name])
+        with KVManagerClient(plan.address(name, args.port), timeout_s=10) as client:
+            stats = client.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+            config = client.get_config()
+        assert stats.prefix_cache_queries > 0 and stats.last_step_id > 0, f"{name} served nothing: {stats}"
+        assert stats.num_requests == 0, f"{name} still holds requests after the demo: {stats}"
+        assert stats.mirror_enabled and stats.mirror_failures == 0, f"{name}'s mirror: {stats}"
+        redis_host, redis_port = references([args.redis_url])[0]
+        client = redis.Redis.from_url(f"redis://{plan.address(redis_host, redis_port)}/0")
+        try:
+            known = {m.decode() for m in client.smembers(KeySchema(args.model_name, config.hash_algorithm).replicas)}
+        finally:
+            client.close()
+        assert args.replica_id in known, f"Redis does not know {args.replica_id}: {known}"
+
+
+def check_metrics(plan: LocalPlan) -> None:
+    """Every published metrics port serves Prometheus text."""
+    for name in MANAGERS + WORKERS:
+        port = int(flag_value(SERVICES[name].command, "--metrics-port"))
+        with urllib.request.urlopen(f"http://{plan.address(name, port)}/metrics", timeout=10) as response:
+            body = response.read().decode()
+        assert response.status == 200 and "# TYPE " in body, f"{name}'s /metrics:\n{body[:500]}"
