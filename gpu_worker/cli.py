@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from gpu_worker.model_config import BUILTIN_MODELS
@@ -43,12 +44,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 picks a free port "
         "(default: no metrics endpoint)",
     )  # fmt: skip
+    _add_security_flags(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     parser.add_argument(
         "--log-format", default="json", choices=["json", "text"],
         help="logs on stderr: one JSON object per line, or plain text (default %(default)s)",
     )  # fmt: skip
     return parser
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("security (see the README's Security section)")
+    group.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve over TLS with this certificate chain (PEM)")
+    group.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
+    group.add_argument(
+        "--tls-ca", type=Path, metavar="FILE", help="mutual TLS: require client certificates signed by this CA (PEM)"
+    )
+    group.add_argument(
+        "--auth-token-file", type=Path, metavar="FILE",
+        help="require 'authorization: Bearer <token>' on every call but health checks (the manager's token file format)",
+    )  # fmt: skip
+    group.add_argument(
+        "--manager-tls-ca", type=Path, metavar="FILE", help="reach the manager over TLS: the CA that signed its certificate"
+    )
+    group.add_argument("--manager-tls-cert", type=Path, metavar="FILE", help="client certificate for the manager's mutual TLS")
+    group.add_argument("--manager-tls-key", type=Path, metavar="FILE", help="the private key of --manager-tls-cert")
+    group.add_argument(
+        "--manager-token-file", type=Path, metavar="FILE",
+        help="a file holding this worker's bearer token at the manager (one line; the operator role)",
+    )  # fmt: skip
+
+
+def _security_options(args: argparse.Namespace) -> dict:
+    from kv_manager_service import security
+
+    return dict(
+        tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca),
+        tokens=security.load_token_file(args.auth_token_file) if args.auth_token_file else None,
+        manager_tls=security.client_tls(args.manager_tls_ca, args.manager_tls_cert, args.manager_tls_key),
+        manager_token=security.read_token_file(args.manager_token_file) if args.manager_token_file else None,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = WorkerOptions(
             manager=args.manager, host=args.host, port=args.port, device=args.device, backend=args.backend,
             model=args.model, dtype=args.dtype, seed=args.seed, step_timeout_s=args.step_timeout_s,
-            metrics_port=args.metrics_port, **extra,
+            metrics_port=args.metrics_port, **_security_options(args), **extra,
         )  # fmt: skip
         return serve(options)
     except (ValueError, ConnectionError, OSError) as error:

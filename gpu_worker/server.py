@@ -24,6 +24,7 @@ from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
 from kv_manager_service.ready_line import WORKER_READY_PREFIX
+from kv_manager_service.security import BearerAuthInterceptor, ClientTLS, ServerTLS, TokenTable
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
@@ -48,6 +49,10 @@ class WorkerOptions:
     manager_timeout_s: float = 30.0  # to reach the manager at startup
     step_timeout_s: float = 30.0  # Execute waits this long for its step's delta
     metrics_port: int | None = None  # serve Prometheus metrics on host:metrics_port (0: any free port)
+    tls: ServerTLS | None = None  # this worker's own server; None: plaintext
+    tokens: TokenTable | None = None  # bearer tokens its callers must present; None: none
+    manager_tls: ClientTLS | None = None  # how to reach the manager; None: plaintext
+    manager_token: str | None = dataclasses.field(default=None, repr=False)  # an operator token of the manager
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -109,12 +114,15 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         raise ValueError("--device cuda: no CUDA device is available to torch")
     model_config, checkpoint = resolve_model(options.model)
     kernel_set = kernels.load(options.backend, device.type)
-    manager = KVManagerClient(options.manager)
+    manager = KVManagerClient(options.manager, tls=options.manager_tls, token=options.manager_token)
     try:
         manager.wait_ready(options.manager_timeout_s)
     except grpc.FutureTimeoutError:
         raise ConnectionError(f"the manager at {options.manager} did not answer within {options.manager_timeout_s:g}s") from None
-    pool = pool_shape(manager.get_config())
+    try:
+        pool = pool_shape(manager.get_config())
+    except grpc.RpcError as error:  # a refused token, most likely
+        raise ConnectionError(f"the manager at {options.manager} refused GetConfig: {error.code().name}: {error.details()}") from None
 
     dtype = options.torch_dtype
     if checkpoint is None:
@@ -154,6 +162,10 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         service = pb.DESCRIPTOR.services_by_name["WorkerService"]
         interceptors.append(RpcMetricsInterceptor(service, registry, "gpu_worker", EXECUTE_DURATION_BUCKETS_S))
         metrics = start_metrics_server(registry, options.host, options.metrics_port)
+    if options.tokens is not None:
+        interceptors.append(BearerAuthInterceptor(options.tokens))  # after the metrics: they count what it refuses
+        if options.tls is None:
+            log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
     servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s, worker_metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"), interceptors=interceptors
@@ -161,7 +173,10 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if options.tls is not None:
+        port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
+    else:
+        port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
         if metrics is not None:
             metrics.stop()

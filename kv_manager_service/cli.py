@@ -40,6 +40,62 @@ def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> 
     parser.set_defaults(default_num_blocks=default_num_blocks)
 
 
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, bearer tokens, tenants and Redis credentials; `security_options` reads them. Secrets come from files only."""
+    group = parser.add_argument_group("security (see the README's Security section)")
+    group.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve gRPC over TLS with this certificate chain (PEM)")
+    group.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
+    group.add_argument(
+        "--tls-ca", type=Path, metavar="FILE",
+        help="mutual TLS: require every client to present a certificate signed by this CA (PEM)",
+    )  # fmt: skip
+    group.add_argument(
+        "--auth-token-file", type=Path, metavar="FILE",
+        help="require 'authorization: Bearer <token>' on every call but health checks: a YAML/JSON mapping "
+        "tenant -> token (or -> {token, role: tenant|operator, quota_blocks}), or one token (tenant 'default', "
+        "operator role)",
+    )  # fmt: skip
+    group.add_argument(
+        "--multi-tenant", action="store_true",
+        help="isolate the token file's tenants: their own cache salts, request ids and block quotas "
+        "(needs --auth-token-file and --tenant-secret-file; refuses xxh3_128)",
+    )  # fmt: skip
+    group.add_argument(
+        "--tenant-secret-file", type=Path, metavar="FILE",
+        help="the secret that keys each tenant's cache salt (at least 16 bytes); replicas of one deployment share it",
+    )  # fmt: skip
+    group.add_argument(
+        "--tenant-quota-blocks", type=positive_int, metavar="N",
+        help="blocks a tenant may hold, unless its token entry sets quota_blocks (default: no quota)",
+    )  # fmt: skip
+    group.add_argument("--redis-tls-ca", type=Path, metavar="FILE", help="CA that signed Redis's certificate (rediss:// URLs)")
+    group.add_argument(
+        "--redis-password-file", type=Path, metavar="FILE",
+        help="Redis AUTH password, read from a file (instead of redis://:PASSWORD@host in --redis-url)",
+    )  # fmt: skip
+
+
+def security_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerOptions fields of `add_security_flags`, with their files read."""
+    from kv_manager_service import security
+
+    return dict(
+        tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca),
+        tokens=security.load_token_file(args.auth_token_file) if args.auth_token_file else None,
+        multi_tenant=args.multi_tenant,
+        tenant_secret=(
+            security.read_secret_file(args.tenant_secret_file, "--tenant-secret-file") if args.tenant_secret_file else None
+        ),
+        tenant_quota_blocks=args.tenant_quota_blocks,
+        redis_tls_ca=args.redis_tls_ca,
+        redis_password=(
+            security.read_secret_file(args.redis_password_file, "--redis-password-file", min_bytes=1).decode()
+            if args.redis_password_file
+            else None
+        ),
+    )
+
+
 def build_config(args: argparse.Namespace, **overrides: Any) -> KVCacheConfig:
     """The one place where the config file, the flags and `overrides` meet."""
     values: dict[str, Any] = {}
@@ -115,6 +171,15 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-message-bytes", type=positive_int, default=64 << 20, help="largest gRPC message (default %(default)s)"
     )
     serve.add_argument(
+        "--idempotency-retention", type=positive_int, default=100_000,
+        help="keyed Steps remembered for retries (idempotency_key); older keys are forgotten (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--check-invariants", action="store_true",
+        help="debugging and testing aid: check the whole pool's invariants after every mutating call (slow: "
+        "O(pool) per call); a broken one is logged as a bug and the call answered INTERNAL",
+    )  # fmt: skip
+    serve.add_argument(
         "--redis-url",
         help="mirror the prefix index (hashes only) to this Redis, e.g. redis://host:6379/0; "
         "without it the index stays in-process",
@@ -129,11 +194,22 @@ def make_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 picks a free port "
         "(default: no metrics endpoint)",
     )  # fmt: skip
+    serve.add_argument(
+        "--journal", type=Path,
+        help="append every accepted mutation to this file, and restore from it at start: a manager restarted "
+        "under the same --replica-id resumes its tables, cache and pending copies (default: no journal)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--journal-fsync", choices=["always", "never"], default="always",
+        help="always: each record reaches the disk before the reply (survives power loss); never: it reaches "
+        "the operating system before the reply (survives a crash of the process) (default %(default)s)",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     serve.add_argument(
         "--log-format", default="json", choices=["json", "text"],
         help="logs on stderr: one JSON object per line, or plain text (default %(default)s)",
     )  # fmt: skip
+    add_security_flags(serve)
     add_pool_flags(serve, default_num_blocks=16_384)
 
     demo = commands.add_parser(
@@ -163,11 +239,19 @@ def run_serve(args: argparse.Namespace) -> int:
         replica_id=args.replica_id,
         max_workers=args.max_workers,
         max_message_bytes=args.max_message_bytes,
-        limits=ServiceLimits(max_tokens_per_call=args.max_tokens_per_call, max_ops_per_step=args.max_ops_per_step),
+        limits=ServiceLimits(
+            max_tokens_per_call=args.max_tokens_per_call,
+            max_ops_per_step=args.max_ops_per_step,
+            idempotency_retention=args.idempotency_retention,
+        ),
         redis_url=args.redis_url,
         model_name=args.model_name,
         lease_ttl_s=args.lease_ttl_s,
         metrics_port=args.metrics_port,
+        journal_path=args.journal,
+        journal_fsync=args.journal_fsync,
+        check_invariants=args.check_invariants,
+        **security_options(args),
     )
     return serve(config, options)
 

@@ -1,8 +1,12 @@
 """`KVManagerClient`: the Python client of `KVManagerService`, with typed results.
 
 Every call has a deadline. Reads (GetConfig, FindCacheHit, GetBlockTables,
-GetStats) are retried on UNAVAILABLE with backoff; mutations never are,
-since a lost response does not tell whether the step was applied. A caller
+GetStats) are retried on UNAVAILABLE with backoff. A mutation is retried
+only as a Step with an idempotency key (`step` and `decode` with
+`idempotency_key=` or `auto_key=True`): on UNAVAILABLE or DEADLINE_EXCEEDED
+it is sent again with the same key, and the manager applies it once. Other
+mutations never are, since a lost response does not tell whether the step
+was applied. A caller
 mistake raises the core's typed error (`RequestNotFoundError`, ...), decoded
 from the status' ErrorInfo, so code written against the in-process core and
 against the service handles errors the same way.
@@ -11,6 +15,7 @@ against the service handles errors the same way.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
@@ -34,6 +39,8 @@ from kv_manager_service.core import (
 )
 from kv_manager_service.core import errors as core_errors
 from kv_manager_service.core.ops import Op
+from kv_manager_service.idempotency import IdempotencyKeyReusedError
+from kv_manager_service.security import ClientTLS, client_channel
 from kv_manager_service.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
@@ -49,6 +56,7 @@ _ERRORS_BY_REASON = {
         core_errors.FailedPreconditionError,
         core_errors.ResourceExhaustedError,
         core_errors.OutOfRangeError,
+        IdempotencyKeyReusedError,
     )
 }
 
@@ -86,9 +94,27 @@ class ReplicaHit(NamedTuple):
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """At most `attempts` tries, the backoff doubling from `first_backoff_s` up to
+    `max_backoff_s` between them; no new try starts once `max_total_s` have passed."""
+
     attempts: int = 4
     first_backoff_s: float = 0.05
     max_backoff_s: float = 1.0
+    max_total_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {self.attempts}")
+        if min(self.first_backoff_s, self.max_backoff_s, self.max_total_s) < 0:
+            raise ValueError(f"backoffs and max_total_s must be >= 0, got {self}")
+
+
+# Keyed Steps outlast a manager restart (a new process replaying its journal):
+# about 9 s of backoff in all.
+STEP_RETRY = RetryPolicy(attempts=10, first_backoff_s=0.05, max_backoff_s=2.0, max_total_s=30.0)
+_READ_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# The call may have been applied: only a keyed Step may be sent again.
+_KEYED_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class KVManagerClient:
@@ -98,12 +124,21 @@ class KVManagerClient:
         timeout_s: float = 10.0,
         read_retry: RetryPolicy = RetryPolicy(),
         channel: grpc.Channel | None = None,
+        step_retry: RetryPolicy = STEP_RETRY,
+        tls: ClientTLS | None = None,
+        token: str | None = None,
     ) -> None:
+        """`tls`: reach the server over TLS (None: plaintext); `token`: sent as a bearer token on every call.
+        Both are ignored when `channel` is given."""
         self.address = address
         self.timeout_s = timeout_s
         self.read_retry = read_retry
-        self.channel = channel or grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.step_retry = step_retry  # keyed Steps only
+        self.channel = channel or client_channel(
+            address,
+            tls,
+            token,
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self.stub = pb_grpc.KVManagerServiceStub(self.channel)
 
@@ -119,7 +154,7 @@ class KVManagerClient:
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
 
-    # -- mutations: never retried ----------------------------------------------------
+    # -- mutations: only keyed Steps are retried ------------------------------------
 
     def allocate(
         self,
@@ -147,15 +182,41 @@ class KVManagerClient:
         request = pb.ForkRequest(parent_request_id=parent_request_id, child_request_ids=child_request_ids)
         return ForkResult(self._call(self.stub.Fork, request).step_id)
 
-    def step(self, ops: Sequence[Op]) -> StepResult:
-        response = self._call(self.stub.Step, pb.StepRequest(ops=[convert.step_op(op) for op in ops]))
+    def step(
+        self,
+        ops: Sequence[Op],
+        idempotency_key: str | None = None,
+        *,
+        auto_key: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> StepResult:
+        """Apply `ops` as one atomic step.
+
+        With an `idempotency_key` (or `auto_key=True`: a new UUID), a try that
+        ends UNAVAILABLE or DEADLINE_EXCEEDED is repeated with the same key,
+        under `retry` (default: the client's `step_retry`); the manager applies
+        the step once and answers every repeat with the first response.
+        Without a key the call is never repeated.
+        """
+        request = pb.StepRequest(ops=[convert.step_op(op) for op in ops])
+        response = self._step(request, idempotency_key, auto_key, retry)
         return StepResult(response.step_id, tuple(convert.op_result(r) for r in response.results))
 
-    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeStepResult:
-        """One step in which request_ids[i] appends token_ids[i] and computes it (the columnar fast path)."""
-        response = self._call(
-            self.stub.Step, pb.StepRequest(decode=pb.DecodeBatch(request_ids=request_ids, token_ids=token_ids))
-        )
+    def decode(
+        self,
+        request_ids: Sequence[str],
+        token_ids: Sequence[int],
+        idempotency_key: str | None = None,
+        *,
+        auto_key: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> DecodeStepResult:
+        """One step in which request_ids[i] appends token_ids[i] and computes it (the columnar fast path).
+
+        Keys and retries as for `step`.
+        """
+        request = pb.StepRequest(decode=pb.DecodeBatch(request_ids=request_ids, token_ids=token_ids))
+        response = self._step(request, idempotency_key, auto_key, retry)
         decode = response.decode
         return DecodeStepResult(
             response.step_id,
@@ -231,15 +292,36 @@ class KVManagerClient:
             raise _typed_error(error) from error
 
     def _read(self, method: Callable[..., Response], request: object) -> Response:
-        backoff = self.read_retry.first_backoff_s
-        for attempt in range(self.read_retry.attempts):
+        return self._retried(method, request, self.read_retry, _READ_RETRY_CODES)
+
+    def _step(
+        self, request: pb.StepRequest, key: str | None, auto_key: bool, retry: RetryPolicy | None
+    ) -> pb.StepResponse:
+        if not key and auto_key:
+            key = str(uuid.uuid4())
+        if not key:
+            return self._call(self.stub.Step, request)
+        request.idempotency_key = key
+        return self._retried(self.stub.Step, request, retry or self.step_retry, _KEYED_RETRY_CODES)
+
+    def _retried(
+        self, method: Callable[..., Response], request: object, policy: RetryPolicy, codes: frozenset
+    ) -> Response:
+        """Call `method`, repeating the same request after a failure with one of `codes`, under `policy`."""
+        started = time.monotonic()
+        backoff = policy.first_backoff_s
+        for attempt in range(1, policy.attempts + 1):
             try:
                 return method(request, timeout=self.timeout_s)
             except grpc.RpcError as error:
-                if error.code() is not grpc.StatusCode.UNAVAILABLE or attempt + 1 == self.read_retry.attempts:
+                if (
+                    error.code() not in codes
+                    or attempt == policy.attempts
+                    or time.monotonic() - started + backoff > policy.max_total_s
+                ):
                     raise _typed_error(error) from error
             time.sleep(backoff)
-            backoff = min(backoff * 2, self.read_retry.max_backoff_s)
+            backoff = min(backoff * 2, policy.max_backoff_s)
         raise AssertionError("unreachable")
 
 

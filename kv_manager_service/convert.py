@@ -290,6 +290,36 @@ def step_op(op: Op) -> pb.StepOp:
     return pb.StepOp(fork=pb.ForkRequest(parent_request_id=op.parent_request_id, child_request_ids=op.child_request_ids))
 
 
+def step_request(ops: Sequence[Op]) -> pb.StepRequest:
+    """A StepRequest whose `step_ops` are `ops` again: the trailing one-token
+    continuations go in the decode batch (cheap to encode), the rest nested."""
+    first_decode = len(ops)
+    while first_decode > 0 and _is_decode(ops[first_decode - 1]):
+        first_decode -= 1
+    decode = ops[first_decode:]
+    return pb.StepRequest(
+        ops=[step_op(op) for op in ops[:first_decode]],
+        decode=pb.DecodeBatch(request_ids=[op.request_id for op in decode], token_ids=[op.token_ids[0] for op in decode])
+        if decode
+        else None,
+    )
+
+
+def _is_decode(op: Op) -> bool:
+    """The shape `step_ops` gives a decode entry: one token, computed now, nothing else."""
+    return (
+        type(op) is AllocateOp
+        and len(op.token_ids) == 1
+        and op.num_new_tokens == 1
+        and not op.num_lookahead_tokens
+        and not op.num_encoder_tokens
+        and op.cache_salt is None
+        and op.lora is None
+        and not op.mm_features
+        and not op.skip_prefix_cache
+    )
+
+
 def block_table_from(message: pb.RequestBlockTable) -> BlockTable:
     return BlockTable(message.request_id, message.num_computed_tokens, tuple(tuple(g.block_ids) for g in message.groups))
 

@@ -29,12 +29,18 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_mirror_resyncs_total` | counter | full re-publications of the cached set |
 | `kvcache_rpc_duration_seconds{method}` | histogram | time in the handler of each unary call |
 | `kvcache_rpc_errors_total{method,code}` | counter | calls that ended with a status other than OK |
+| `kvcache_tenant_blocks{tenant}` | gauge | with `--multi-tenant`: blocks the tenant holds (see tenancy.py) |
+| `kvcache_tenant_quota_blocks{tenant}` | gauge | the tenant's quota, for tenants with one |
+| `kvcache_tenant_requests{tenant}` | gauge | the tenant's live requests |
+| `kvcache_tenant_quota_refusals_total{tenant}` | counter | its allocate ops answered NO_SPACE while its quota was the tighter limit |
+| `kvcache_tenant_prefix_cache_query_tokens_total{tenant}`, `..._hit_tokens_total{tenant}` | counter | its prompt tokens looked up, and found, in the prefix cache |
 
 plus the `process_*` metrics (CPU, memory, open files) of the process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -221,6 +227,37 @@ class ManagerCollector:
         ]  # fmt: skip
         for family, name, documentation, value in figures:
             yield family(name, documentation, value=value)
+        if servicer.tenants is not None:
+            yield from _tenant_metrics(servicer)
+
+
+def _tenant_metrics(servicer: KVManagerServicer) -> Iterator[Metric]:
+    """Per-tenant figures of a multi-tenant server (see tenancy.py), labelled by tenant."""
+    with servicer.lock:
+        usage = {tenant: dataclasses.replace(u) for tenant, u in servicer.tenants.usage.items()}
+    families = [
+        (GaugeMetricFamily, "kvcache_tenant_blocks",
+         "Blocks the tenant holds (its tables' distinct blocks, and those only its unacknowledged copies hold).",
+         lambda u: u.num_blocks),
+        (GaugeMetricFamily, "kvcache_tenant_requests", "The tenant's live requests.", lambda u: u.num_requests),
+        (CounterMetricFamily, "kvcache_tenant_quota_refusals",
+         "The tenant's allocate ops answered NO_SPACE while its quota, not the pool, was the tighter limit.",
+         lambda u: u.num_quota_refusals),
+        (CounterMetricFamily, "kvcache_tenant_prefix_cache_query_tokens",
+         "The tenant's prompt tokens looked up in the prefix cache.", lambda u: u.prefix_cache_queries),
+        (CounterMetricFamily, "kvcache_tenant_prefix_cache_hit_tokens",
+         "The tenant's prompt tokens found in the prefix cache.", lambda u: u.prefix_cache_hits),
+    ]  # fmt: skip
+    for family, name, documentation, value in families:
+        metric = family(name, documentation, labels=["tenant"])
+        for tenant, u in sorted(usage.items()):
+            metric.add_metric([tenant], value(u))
+        yield metric
+    quotas = GaugeMetricFamily("kvcache_tenant_quota_blocks", "The tenant's block quota (tenants with one).", labels=["tenant"])
+    for tenant, u in sorted(usage.items()):
+        if u.quota_blocks is not None:
+            quotas.add_metric([tenant], u.quota_blocks)
+    yield quotas
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import json
 import logging
 import signal
 import socket
@@ -11,12 +13,14 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kv_manager_service.core import KVCacheConfig, KVCacheManager
+from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager
+from kv_manager_service.journal import Journal
 from kv_manager_service.metrics import (
     ManagerCollector,
     MetricsServer,
@@ -24,8 +28,11 @@ from kv_manager_service.metrics import (
     new_registry,
     start_metrics_server,
 )
+from kv_manager_service.parse_errors import ParseErrorInterceptor
 from kv_manager_service.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.security import BearerAuthInterceptor, ServerTLS, TokenTable
 from kv_manager_service.service import KVManagerServicer, ServiceLimits
+from kv_manager_service.tenancy import Tenancy
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -33,6 +40,10 @@ log = logging.getLogger("kv_manager_service.server")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVManagerService"]
 SERVICE_NAME = SERVICE.full_name
+# Calls for the operator role only (workers, routers, dashboards), when tokens are on.
+OPERATOR_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{name}" for name in ("WatchSteps", "AckSteps", "WatchEvents", "ResetPrefixCache")
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,17 @@ class ServerOptions:
     redis_url: str | None = None  # None: no mirror, the index stays in-process
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
+    journal_path: Path | None = None  # None: no journal; a restart starts empty
+    journal_fsync: str = "always"  # or "never": see kv_manager_service/journal.py
     metrics_port: int | None = None  # serve Prometheus metrics on host:metrics_port (0: any free port)
+    check_invariants: bool = False  # debugging/testing: check the core after every mutating call
+    tls: ServerTLS | None = None  # None: plaintext gRPC
+    tokens: TokenTable | None = None  # None: no bearer tokens, every caller may call everything
+    multi_tenant: bool = False  # see tenancy.py
+    tenant_secret: bytes | None = field(default=None, repr=False)  # keys the tenants' cache salts
+    tenant_quota_blocks: int | None = None  # a tenant's quota unless its token entry sets one; None: no quota
+    redis_tls_ca: Path | None = None  # CA that signed Redis's certificate (rediss:// URLs)
+    redis_password: str | None = field(default=None, repr=False)  # Redis AUTH, instead of one in the URL
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -58,6 +79,25 @@ class ServerOptions:
             raise ValueError("replica_id must not be empty")
         if self.max_workers < 2:
             raise ValueError(f"max_workers must be >= 2, got {self.max_workers}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        if self.multi_tenant:
+            if self.tokens is None or not self.tokens.names_tenants:
+                raise ValueError("--multi-tenant needs --auth-token-file naming the tenants and their tokens")
+            if self.tenant_secret is None:
+                raise ValueError("--multi-tenant needs --tenant-secret-file (the key of the tenants' cache salts)")
+        else:
+            if self.tenant_secret is not None or self.tenant_quota_blocks is not None:
+                raise ValueError("--tenant-secret-file and --tenant-quota-blocks need --multi-tenant")
+            if self.tokens is not None and any(p.quota_blocks is not None for p in self.tokens.principals):
+                raise ValueError("quota_blocks in the token file needs --multi-tenant")
+        if (self.redis_tls_ca is not None or self.redis_password is not None) and not self.redis_url:
+            raise ValueError("--redis-tls-ca and --redis-password-file need --redis-url")
+        if self.redis_tls_ca is not None and not self.redis_url.startswith("rediss://"):
+            raise ValueError("--redis-tls-ca needs a rediss:// (TLS) --redis-url")
+        if self.redis_password is not None and _redact(self.redis_url) != self.redis_url:
+            raise ValueError("--redis-url holds a password and --redis-password-file gives one: keep one")
 
 
 @dataclass
@@ -82,6 +122,8 @@ class RunningServer:
             self.servicer.mirror.stop()
         if self.metrics is not None:
             self.metrics.stop()
+        if self.servicer.journal is not None:
+            self.servicer.journal.close()
 
 
 def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer:
@@ -89,7 +131,10 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     config = dataclasses.replace(config, enable_events=True)
     manager = KVCacheManager(config)
     incarnation = time.time_ns()  # new at every start, and increasing across restarts
-    servicer = KVManagerServicer(manager, options.replica_id, incarnation, options.limits)
+    servicer = KVManagerServicer(manager, options.replica_id, incarnation, options.limits, options.check_invariants)
+    _secure(servicer, config, options)
+    if options.journal_path is not None:
+        _restore(servicer, config, options)
     metrics: MetricsServer | None = None
     interceptors: list[grpc.ServerInterceptor] = []
     if options.metrics_port is not None:
@@ -97,6 +142,10 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
         registry.register(ManagerCollector(servicer))
         interceptors.append(RpcMetricsInterceptor(SERVICE, registry, "kvcache"))
         metrics = start_metrics_server(registry, options.host, options.metrics_port)
+    if options.tokens is not None:
+        # After the metrics (they count what it refuses), before the parser (a refused request is not parsed).
+        interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS))
+    interceptors.append(ParseErrorInterceptor())  # last, so the metrics count what it refuses
     try:
         running = _start_grpc(config, options, servicer, interceptors)
     except BaseException:
@@ -120,7 +169,9 @@ def _start_grpc(
         interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", options.max_message_bytes),
-            ("grpc.max_send_message_length", options.max_message_bytes),
+            # Responses are not limited: a step that was applied must be answered (a refused
+            # send would tell the caller "refused"), and a worker must get every delta.
+            ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
         ],
     )
@@ -130,7 +181,10 @@ def _start_grpc(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if options.tls is not None:
+        port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
+    else:
+        port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
         raise OSError(f"could not bind {options.host}:{options.port}")
     server.start()
@@ -154,7 +208,10 @@ def _start_mirror(servicer: KVManagerServicer, config: KVCacheConfig, options: S
     from kv_manager_service.redis_schema import KeySchema
 
     # Short timeouts: a slow Redis must not hold a lookup or the writer for long.
-    client = redis.Redis.from_url(options.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    secrets = {} if options.redis_password is None else {"password": options.redis_password}
+    if options.redis_tls_ca is not None:
+        secrets["ssl_ca_certs"] = str(options.redis_tls_ca)
+    client = redis.Redis.from_url(options.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, **secrets)
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
     servicer.mirror = MirrorWriter(
         client,
@@ -169,6 +226,44 @@ def _start_mirror(servicer: KVManagerServicer, config: KVCacheConfig, options: S
     servicer.cluster = ClusterIndex(client, schema)
     servicer.mirror.start()
     log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), schema.namespace)
+
+
+def _secure(servicer: KVManagerServicer, config: KVCacheConfig, options: ServerOptions) -> None:
+    """Who may call (tokens) and, with --multi-tenant, each tenant's scope (see security.py, tenancy.py)."""
+    if options.multi_tenant:
+        if config.hash_algorithm is not HashAlgorithm.SHA256_CBOR:
+            raise ValueError(
+                f"--multi-tenant refuses --hash-algorithm {config.hash_algorithm.value}: it is not collision-resistant, "
+                "so one tenant could craft blocks whose hashes equal another's; use sha256_cbor"
+            )
+        servicer.tenants = Tenancy(options.tenant_secret, options.tokens, options.tenant_quota_blocks)
+    servicer.auth = options.tokens
+    if options.tokens is not None and options.tls is None:
+        log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
+
+
+def _restore(servicer: KVManagerServicer, config: KVCacheConfig, options: ServerOptions) -> None:
+    """Open the journal, replay what it holds into `servicer`, and journal from then on."""
+    journal = Journal.open(options.journal_path, options.replica_id, pool_description(config), options.journal_fsync)
+    started = time.perf_counter()
+    servicer.restore(journal.records)
+    servicer.journal = journal
+    stats = servicer.manager.stats()
+    log.info(
+        "journal %s: restored %d records in %.2fs: step %d, %d live requests, %d pending copies",
+        options.journal_path, len(journal.records), time.perf_counter() - started, servicer.manager.last_step_id,
+        stats.num_requests, stats.num_pending_copies,
+        extra={"journal": str(options.journal_path), "records": len(journal.records)},
+    )  # fmt: skip
+
+
+def pool_description(config: KVCacheConfig) -> str:
+    """The pool's configuration as canonical JSON, with the hash seed replaced by a digest of it."""
+    values = dataclasses.asdict(config)
+    values.pop("enable_events", None)
+    seed = values.pop("hash_seed", None)
+    values["hash_seed_sha256"] = hashlib.sha256(seed.encode()).hexdigest() if seed else None
+    return json.dumps(values, sort_keys=True, default=str)
 
 
 def _redact(url: str) -> str:

@@ -10,16 +10,24 @@ Copies are released when every registered worker has acknowledged their
 step. A worker registers by `WatchSteps` or `AckSteps` and stays registered
 (a worker that reconnects resumes where it left off); with no worker
 registered, any `AckSteps` caller releases them.
+
+A Step with an idempotency key is applied once: the servicer remembers the
+responses of recent keyed Steps (`idempotency.StepKeys`), looked up and
+filled under the same lock as the step itself. With `check_invariants`
+(`--check-invariants`) every mutating call ends with the core's whole-state
+check; a failure is a bug, answered INTERNAL.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
@@ -43,8 +51,13 @@ from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.hashing import HashExtras
 from kv_manager_service.redis_schema import ClusterUnavailableError, Lease
 from kv_manager_service.core.ops import Op
+from kv_manager_service.idempotency import StepKeys, check_key, request_fingerprint
+from kv_manager_service.journal import Journal
 from kv_manager_service.logs import MAX_LOGGED_IDS
-from kv_manager_service.status import abort, status_code
+from kv_manager_service.security import Principal, TokenTable
+from kv_manager_service.status import PermissionDeniedError, abort, status_code
+from kv_manager_service.tenancy import Tenancy
+from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -65,9 +78,16 @@ class ServiceLimits:
     max_ops_per_step: int = 1 << 16
     step_retention: int = 100_000  # step deltas kept for WatchSteps
     event_retention: int = 100_000  # events kept for WatchEvents
+    idempotency_retention: int = 100_000  # keyed Steps remembered (see idempotency.py)
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens_per_call", "max_ops_per_step", "step_retention", "event_retention"):
+        for name in (
+            "max_tokens_per_call",
+            "max_ops_per_step",
+            "step_retention",
+            "event_retention",
+            "idempotency_retention",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -81,7 +101,7 @@ def _unary(method: Callable[..., Response]) -> Callable[..., Response]:
             return method(self, request, context)
         except KVCacheError as error:
             log_rejected(method.__name__, request, error)
-            abort(context, error)
+            abort(context, self._seen_by_caller(error, context))
         except Exception:
             log.exception("bug in %s", method.__name__, extra={"method": method.__name__})
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see the server log")
@@ -90,36 +110,90 @@ def _unary(method: Callable[..., Response]) -> Callable[..., Response]:
 
 
 class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
-    def __init__(self, manager: KVCacheManager, replica_id: str, incarnation: int, limits: ServiceLimits) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        replica_id: str,
+        incarnation: int,
+        limits: ServiceLimits,
+        check_invariants: bool = False,
+    ) -> None:
         if not manager.config.enable_events:
             raise ValueError("the service needs a core built with enable_events=True")
         self.manager = manager
         self.replica_id = replica_id
         self.incarnation = incarnation
         self.limits = limits
-        self.lock = threading.Lock()
+        # Reentrant: a keyed Step holds it across the key lookup and `_apply`.
+        self.lock = threading.RLock()
+        # A debugging aid: the core's whole-state check after every mutating
+        # call, accepted or rejected (O(pool + tables) each; see `mutating`).
+        self.check_invariants = check_invariants
+        self.step_keys = StepKeys(limits.idempotency_retention)
         self.steps: BroadcastLog[pb.StepDelta] = BroadcastLog(limits.step_retention)
         # (monotonic ns when logged, event)
         self.events: BroadcastLog[tuple[int, KVEvent]] = BroadcastLog(limits.event_retention)
         self.worker_acks: dict[str, int] = {}
+        # Every accepted mutation is written here before its reply (and before
+        # workers see its step); None: no journal. Set by the server.
+        self.journal: Journal | None = None
         # Set by the server when the Redis mirror is on.
         self.address = ""
         self.mirror: MirrorWriter | None = None
         self.cluster: ClusterIndex | None = None
+        # Set by the server with --auth-token-file (who calls) and --multi-tenant.
+        self.auth: TokenTable | None = None
+        self.tenants: Tenancy | None = None
 
     def close(self) -> None:
         """End every stream (on shutdown)."""
         self.steps.close()
         self.events.close()
 
+    # -- callers -------------------------------------------------------------------
+
+    def _caller(self, context: grpc.ServicerContext) -> Principal | None:
+        """Who made the call (the interceptor accepted its token); None without --auth-token-file."""
+        return None if self.auth is None else self.auth.caller(context)
+
+    def _scope(self, request: Message, context: grpc.ServicerContext) -> str | None:
+        """In multi-tenant mode, rewrite `request` into its caller's scope (see tenancy.py) and
+        return the caller's tenant; None otherwise (one namespace for every caller)."""
+        if self.tenants is None:
+            return None
+        tenant = self._caller(context).tenant
+        self.tenants.scope_request(tenant, request)
+        return tenant
+
+    def _seen_by_caller(self, error: KVCacheError, context: grpc.ServicerContext) -> KVCacheError:
+        """The error as its caller should read it: a tenant's own ids, without the internal prefix."""
+        caller = self._caller(context) if self.tenants is not None else None
+        return error if caller is None else self.tenants.unscope_error(caller.tenant, error)
+
     # -- mutations -----------------------------------------------------------------
 
-    def _apply(self, ops: Sequence[Op], num_decode: int = 0, unary: bool = False) -> StepResult:
+    @contextmanager
+    def mutating(self) -> Iterator[None]:
+        """Hold the lock around a mutation. With `check_invariants`, check the core as the
+        mutation ends, whether it was accepted or refused: a failure is a bug, which the
+        handler logs ("bug in ...") and answers with INTERNAL."""
+        with self.lock:
+            try:
+                yield
+            finally:
+                if self.check_invariants:
+                    self.manager.check_invariants()
+
+    def _apply(
+        self, ops: Sequence[Op], num_decode: int = 0, unary: bool = False, request: pb.StepRequest | None = None
+    ) -> StepResult:
         """Run one step on the core and publish its delta and events. Holds the lock.
 
         The last `num_decode` ops come from a Step's decode columns: they must
         continue live requests, and their errors name `decode.*[j]`. A unary
         call's errors name its own fields, without the `ops[0].` prefix.
+        `request`: the Step message the ops come from, journaled as it is
+        (its idempotency key included).
         """
         num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
         if num_tokens > self.limits.max_tokens_per_call:
@@ -133,7 +207,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 f"the step has {len(ops)} ops; the limit max_ops_per_step is {self.limits.max_ops_per_step}", "ops"
             )
         num_nested = len(ops) - num_decode
-        with self.lock:
+        with self.mutating():
             requests = self.manager.requests
             for j, op in enumerate(ops[num_nested:]):
                 if op.request_id not in requests:
@@ -143,7 +217,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                     )
             admitted = {op.request_id for op in ops if type(op) is AllocateOp and op.request_id not in requests}
             try:
-                result = self.manager.step(ops)
+                result = self.manager.step(ops) if self.tenants is None else self.tenants.step(self.manager, ops)
             except KVCacheError as error:
                 error.field = _wire_field(error.field, num_nested, unary)
                 raise
@@ -153,10 +227,59 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 if type(op) is ForkOp
                 for child_id in op.child_request_ids
             }
+            if self.journal is not None:
+                journaled = request if request is not None else convert.step_request(ops)
+                self._journal(journal_pb2.JournalRecord(step=journal_pb2.JournalStep(ops=journaled)))
             self.steps.append(convert.step_delta(ops, result, admitted, children))
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
             self._publish_events()
         return result
+
+    def _ack(self, request: pb.AckStepsRequest) -> None:
+        acks = self.worker_acks
+        acks[request.worker_id] = max(acks.get(request.worker_id, 0), request.step_id)
+        if self.tenants is None:
+            self.manager.ack(min(acks.values()))
+        else:
+            self.tenants.ack(self.manager, min(acks.values()))  # credits each tenant with its copies' blocks
+
+    def _journal(self, record: journal_pb2.JournalRecord) -> None:
+        """Write an accepted mutation to the journal. Holds the lock.
+
+        A manager that cannot journal stops at once: it has changed its state
+        and must not answer, or let workers see the step, without the record.
+        """
+        if self.journal is None:
+            return
+        try:
+            self.journal.append(record)
+        except OSError:
+            log.critical("cannot write the journal %s; stopping", self.journal.path, exc_info=True)
+            os._exit(75)
+
+    def restore(self, records: Sequence[journal_pb2.JournalRecord]) -> None:
+        """Replay a journal's records (header excluded) into this fresh servicer, in order."""
+        assert self.manager.last_step_id == 0 and self.journal is None, "restore into a fresh servicer only"
+        for record in records:
+            kind = record.WhichOneof("entry")
+            if kind == "step" and record.step.ops.idempotency_key:
+                # It was applied, so it is applied again (a key forgotten and reused since, under
+                # a smaller retention than now, must not be taken for a repeat), and remembered.
+                self.step_keys.forget(record.step.ops.idempotency_key)
+                self.step_request(record.step.ops)
+            elif kind == "step":
+                self._apply(convert.step_ops(record.step.ops))
+            elif kind == "ack":
+                with self.lock:
+                    self._ack(record.ack)
+            elif kind == "register_worker":
+                self.worker_acks.setdefault(record.register_worker.worker_id, record.register_worker.from_step_id)
+            elif kind == "reset_prefix_cache":
+                with self.lock:
+                    assert self.manager.reset_prefix_cache(), "a journaled reset must succeed again"
+                    self._publish_events()
+            else:
+                raise ValueError(f"unexpected journal record {kind!r}")
 
     def _publish_events(self) -> None:
         # Kept as core events, stamped for the mirror's lag: converted when a
@@ -181,48 +304,71 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     @_unary
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        self._scope(request, context)
         return convert.allocate_response(self._apply([convert.allocate_op(request)], unary=True).results[0])
 
     @_unary
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
+        self._scope(request, context)
         result = self._apply([convert.free_op(request)], unary=True).results[0]
         return pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id)
 
     @_unary
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
+        self._scope(request, context)
         return pb.ForkResponse(step_id=self._apply([convert.fork_op(request)], unary=True).step_id)
 
     @_unary
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        self._scope(request, context)
+        return self.step_request(request)
+
+    def step_request(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Apply one Step and answer it: the path of every Step, live or replayed from the journal.
+
+        With an `idempotency_key`, looking the key up, applying the step and
+        remembering its response happen under the lock at once, so the key
+        memory is rebuilt by replaying the accepted Steps in order. A repeat
+        of a remembered request gets the stored response and applies
+        nothing; the key with another request is IdempotencyKeyReusedError.
+        A rejected step is not remembered.
+        """
         ops = convert.step_ops(request)
-        num_nested = len(request.ops)
-        result = self._apply(ops, num_decode=len(ops) - num_nested)
-        response = pb.StepResponse(step_id=result.step_id)
-        response.results.extend([convert.step_result(r) for r in result.results[:num_nested]])
-        if len(request.decode.request_ids):
-            response.decode.CopyFrom(convert.decode_results(result.results[num_nested:]))
+        num_decode = len(ops) - len(request.ops)
+        key = request.idempotency_key
+        if not key:
+            return _step_response(request, self._apply(ops, num_decode, request=request))
+        check_key(key)
+        fingerprint = request_fingerprint(request)
+        with self.lock:
+            stored = self.step_keys.get(key, fingerprint)
+            if stored is not None:
+                return pb.StepResponse.FromString(stored)
+            response = _step_response(request, self._apply(ops, num_decode, request=request))
+            self.step_keys.put(key, fingerprint, response.SerializeToString())
         return response
 
     @_unary
     def AckSteps(self, request: pb.AckStepsRequest, context: grpc.ServicerContext) -> pb.AckStepsResponse:
         if not request.worker_id:
             raise InvalidArgumentError("worker_id must not be empty", "worker_id")
-        with self.lock:
+        with self.mutating():
             if request.step_id > self.manager.last_step_id:
                 raise OutOfRangeError(
                     f"step_id {request.step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
                 )
-            acks = self.worker_acks
-            acks[request.worker_id] = max(acks.get(request.worker_id, 0), request.step_id)
-            self.manager.ack(min(acks.values()))
+            self._ack(request)
+            self._journal(journal_pb2.JournalRecord(ack=request))
         return pb.AckStepsResponse()
 
     @_unary
     def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
-        with self.lock:
+        with self.mutating():
             ok = self.manager.reset_prefix_cache()
+            if ok:
+                self._journal(journal_pb2.JournalRecord(reset_prefix_cache=request))
             self._publish_events()
         return pb.ResetPrefixCacheResponse(ok=ok)
 
@@ -236,6 +382,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     @_unary
     def FindCacheHit(self, request: pb.FindCacheHitRequest, context: grpc.ServicerContext) -> pb.FindCacheHitResponse:
+        self._scope(request, context)  # a tenant's lookup hashes with its own salt
         if len(request.token_ids) > self.limits.max_tokens_per_call:
             raise InvalidArgumentError(
                 f"token_ids has {len(request.token_ids)} ids; the limit max_tokens_per_call is "
@@ -293,9 +440,19 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
     def GetBlockTables(
         self, request: pb.GetBlockTablesRequest, context: grpc.ServicerContext
     ) -> pb.GetBlockTablesResponse:
+        caller = self._caller(context)
+        tenant = None  # set: a tenant's view, in its own ids
+        if caller is not None and not caller.is_operator:
+            if self.tenants is not None:
+                tenant = self._scope(request, context)
+            elif not request.request_ids:
+                raise PermissionDeniedError("GetBlockTables of all requests is for the operator role", "request_ids")
         response = pb.GetBlockTablesResponse()
         with self.lock:
-            request_ids = list(request.request_ids) or list(self.manager.requests)
+            live = self.manager.requests
+            request_ids = list(request.request_ids) or (
+                list(live) if tenant is None else self.tenants.own_request_ids(tenant, live)
+            )
             tables = [self.manager.block_table(request_id) for request_id in request_ids]
             pending = self.manager.pending_copies()
             response.step_id = self.manager.last_step_id
@@ -306,6 +463,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 step_id=pending_copy.step_id,
                 copy=pb.BlockCopy(src_block_id=pending_copy.copy.src_block_id, dst_block_id=pending_copy.copy.dst_block_id),
             )
+        if tenant is not None:
+            self.tenants.unscope_response(tenant, response)
         return response
 
     @_unary
@@ -323,6 +482,9 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             response.mirror_resyncs = metrics.num_resyncs
             response.mirror_queue_depth = metrics.queue_depth
             response.mirror_lag_ms = metrics.lag_ms
+        caller = self._caller(context) if self.tenants is not None else None
+        if caller is not None and not caller.is_operator:
+            self.tenants.tenant_stats(caller.tenant, response)
         return response
 
     # -- streams -------------------------------------------------------------------
@@ -339,7 +501,10 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                         f"from_step_id {first} is in the future (last step is {self.steps.last_id})", "from_step_id"
                     )
                 self._check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
-                self.worker_acks.setdefault(request.worker_id, first - 1)
+                if request.worker_id not in self.worker_acks:
+                    self.worker_acks[request.worker_id] = first - 1
+                    registered = pb.WatchStepsRequest(worker_id=request.worker_id, from_step_id=first - 1)
+                    self._journal(journal_pb2.JournalRecord(register_worker=registered))
             for _, delta in self._follow(self.steps, first, "from_step_id", context):
                 yield delta
         except KVCacheError as error:
@@ -422,6 +587,16 @@ def _carried_request_ids(message: Message) -> list[str]:
         if name in fields:
             ids.extend(getattr(message, name)[:MAX_LOGGED_IDS])
     return [request_id for request_id in ids if request_id][:MAX_LOGGED_IDS]
+
+
+def _step_response(request: pb.StepRequest, result: StepResult) -> pb.StepResponse:
+    """One result per nested op, then the decode batch's results in columns."""
+    num_nested = len(request.ops)
+    response = pb.StepResponse(step_id=result.step_id)
+    response.results.extend([convert.step_result(r) for r in result.results[:num_nested]])
+    if len(request.decode.request_ids):
+        response.decode.CopyFrom(convert.decode_results(result.results[num_nested:]))
+    return response
 
 
 def _wire_field(field: str | None, num_nested: int, unary: bool) -> str | None:

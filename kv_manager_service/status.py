@@ -25,6 +25,19 @@ from kv_manager_service.core.errors import (
 
 ERROR_DOMAIN = "kvcache.v1"
 
+
+class UnauthenticatedError(KVCacheError):
+    """The call carries no valid credentials. Raised by the service, never by the core."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KVCacheError):
+    """The caller is known but its role may not make this call. Raised by the service, never by the core."""
+
+    reason = "PERMISSION_DENIED"
+
+
 STATUS_CODES: dict[type[KVCacheError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     RequestNotFoundError: grpc.StatusCode.NOT_FOUND,
@@ -32,6 +45,8 @@ STATUS_CODES: dict[type[KVCacheError], grpc.StatusCode] = {
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

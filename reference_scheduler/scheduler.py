@@ -24,6 +24,10 @@ One iteration, within a token budget (vLLM's max_num_batched_tokens):
    counts as computed really holds its K/V. A request samples a token when
    all its known tokens are computed; finished requests are freed with the
    next step.
+
+Every Step carries a fresh idempotency key, so the client retries one whose
+response was lost (UNAVAILABLE, DEADLINE_EXCEEDED: a manager restarting from
+its journal) and the manager applies it once.
 """
 
 from __future__ import annotations
@@ -162,7 +166,8 @@ class ReferenceScheduler:
         self.to_free = []
         planned = self._plan(ops)
         started = time.perf_counter()
-        step = self.manager.step(ops) if ops else None
+        # Keyed: a Step whose response is lost (a manager restarting) is retried and applied once.
+        step = self.manager.step(ops, auto_key=True) if ops else None
         step_ms = (time.perf_counter() - started) * 1e3
         if step is None:
             return []
@@ -229,7 +234,7 @@ class ReferenceScheduler:
     def flush(self) -> None:
         """Free the finished and preempted requests now."""
         if self.to_free:
-            self.manager.free(self.to_free)
+            self.manager.step([FreeOp(self.to_free)], auto_key=True)
             self.to_free = []
 
     def run(self) -> None:

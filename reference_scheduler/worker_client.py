@@ -6,6 +6,7 @@ from typing import NamedTuple, Sequence
 
 import grpc
 
+from kv_manager_service.security import ClientTLS, client_channel
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
 
@@ -33,10 +34,13 @@ class ExecuteResult(NamedTuple):
 
 
 class WorkerClient:
-    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 120.0, tls: ClientTLS | None = None, token: str | None = None
+    ) -> None:
+        """`tls`: reach the worker over TLS (None: plaintext); `token`: sent as a bearer token on every call."""
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address)
+        self.channel = client_channel(address, tls, token)
         self.stub = pb_grpc.WorkerServiceStub(self.channel)
 
     def close(self) -> None:

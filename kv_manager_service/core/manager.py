@@ -74,6 +74,8 @@ class KVCacheManager:
             (m.group_id, m.block_size, isinstance(m, CrossAttentionManager)) for m in self.managers
         ]
         self._no_groups: tuple[GroupAllocation, ...] = ()
+        # Free blocks the running step must leave in the free queue (its block budget); 0 between steps.
+        self._reserve = 0
 
     # -- the scheduler's calls ---------------------------------------------------
 
@@ -109,29 +111,39 @@ class KVCacheManager:
     def fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> ForkResult:
         return self.step((ForkOp(parent_request_id, child_request_ids),)).results[0]
 
-    def step(self, ops: Sequence[Op]) -> StepResult:
+    def step(self, ops: Sequence[Op], max_new_blocks: int | None = None) -> StepResult:
         """Apply `ops` in order as one step, atomically with respect to bad input.
 
         Every op is validated first (at most one op per request id, fork
         parent and children included); any invalid op raises and nothing
         changes. `NO_SPACE` is a per-op result, not an error.
+
+        `max_new_blocks` is a budget (a quota's room): the step takes at most
+        this many blocks out of the free queue, net of those it puts back. An
+        allocate op that would go past it gets `NO_SPACE` and changes nothing,
+        exactly as when the pool itself is short.
         """
         self._validator.validate_step(ops)
         self.last_step_id += 1
         step_id = self.last_step_id
         results: list[OpResult] = []
-        for op in ops:
-            if type(op) is AllocateOp:
-                request = self.requests.get(op.request_id)
-                if request is None:
-                    results.append(self._admit(op, step_id))
+        if max_new_blocks is not None:
+            self._reserve = max(0, self.pool.get_num_free_blocks() - max(0, max_new_blocks))
+        try:
+            for op in ops:
+                if type(op) is AllocateOp:
+                    request = self.requests.get(op.request_id)
+                    if request is None:
+                        results.append(self._admit(op, step_id))
+                    else:
+                        results.append(self._continue(request, op, step_id))
+                elif type(op) is FreeOp:
+                    results.append(FreeResult(self._free(op.request_ids), step_id))
                 else:
-                    results.append(self._continue(request, op, step_id))
-            elif type(op) is FreeOp:
-                results.append(FreeResult(self._free(op.request_ids), step_id))
-            else:
-                self._fork(op.parent_request_id, op.child_request_ids)
-                results.append(ForkResult(step_id))
+                    self._fork(op.parent_request_id, op.child_request_ids)
+                    results.append(ForkResult(step_id))
+        finally:
+            self._reserve = 0
         return StepResult(step_id, tuple(results))
 
     def ack(self, step_id: int) -> int:
@@ -239,7 +251,7 @@ class KVCacheManager:
             num_needed += max(0, manager.num_required_blocks(need_slots, op.num_encoder_tokens) - len(hit))
             # A hit block still in the free queue leaves it when adopted.
             num_needed += sum(1 for block in hit if block.ref_cnt == 0 and not block.is_null)
-        if num_needed > self.pool.get_num_free_blocks():
+        if num_needed > self.pool.get_num_free_blocks() - self._reserve:
             return AllocateResult(AllocateStatus.NO_SPACE, 0, 0, self._no_groups, (), step_id)
 
         # Take every group's hit before popping any new block: a popped block
@@ -319,7 +331,7 @@ class KVCacheManager:
                     shared.append((group_id, index))
             if required > len(table):
                 num_needed += required - len(table)
-        if num_needed + len(shared) > self.pool.free_queue.num_free_blocks:
+        if num_needed + len(shared) > self.pool.free_queue.num_free_blocks - self._reserve:
             return AllocateResult(AllocateStatus.NO_SPACE, num_computed, 0, self._no_groups, (), step_id)
 
         request.num_tokens = num_tokens

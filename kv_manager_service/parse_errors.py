@@ -1,0 +1,96 @@
+"""Requests that do not parse end with INVALID_ARGUMENT, not gRPC's INTERNAL.
+
+grpc-python answers a request whose bytes its deserializer rejects with
+INTERNAL ("Exception deserializing request!") and logs a traceback; but
+INTERNAL is this service's word for a bug, and unparseable bytes are the
+caller's mistake. `ParseErrorInterceptor` gives every unary-request method
+a deserializer that never raises (bytes that do not parse become an
+`Unparsed` value) and a behavior that answers an `Unparsed` request with
+INVALID_ARGUMENT and the usual ErrorInfo (reason `INVALID_ARGUMENT`, field
+`request`). Well-formed requests pay one extra Python call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, NamedTuple
+
+import grpc
+
+from kv_manager_service.core.errors import InvalidArgumentError
+from kv_manager_service.status import abort
+
+log = logging.getLogger("kv_manager_service.service")
+
+
+class Unparsed(NamedTuple):
+    """A request whose bytes did not parse, and why."""
+
+    num_bytes: int
+    error: str
+
+
+class ParseErrorInterceptor(grpc.ServerInterceptor):
+    """Wraps the handler of every unary-request method of every service (the wrap is built once per method).
+
+    Put it last in the server's interceptor list, so that interceptors
+    before it (metrics) see, and count, the INVALID_ARGUMENT it answers.
+    """
+
+    def __init__(self) -> None:
+        # full method name -> (the handler it wraps, the wrapped handler)
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        name = method.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            wrapped = handler._replace(
+                request_deserializer=_lenient(handler.request_deserializer),
+                unary_unary=_refusing_unparsed(handler.unary_unary, name),
+            )
+        else:
+            wrapped = handler._replace(
+                request_deserializer=_lenient(handler.request_deserializer),
+                unary_stream=_refusing_unparsed(handler.unary_stream, name),
+            )
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def lenient(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # DecodeError, or anything a parser may raise on hostile bytes
+            return Unparsed(len(data), f"{type(error).__name__}: {error}")
+
+    return lenient
+
+
+def _refusing_unparsed(behavior: Callable, name: str) -> Callable:
+    # Also right for server streams: the status is set before any response.
+    def refusing(request: Any, context: grpc.ServicerContext) -> Any:
+        if type(request) is Unparsed:
+            error = InvalidArgumentError(
+                f"the {request.num_bytes}-byte request is not a valid {name} request message ({request.error})",
+                "request",
+            )
+            log.info(
+                "%s rejected: %s", name, error,
+                extra={"method": name, "code": "INVALID_ARGUMENT", "reason": error.reason, "field": error.field},
+            )  # fmt: skip
+            abort(context, error)
+        return behavior(request, context)
+
+    return refusing
