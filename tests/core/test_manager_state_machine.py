@@ -506,7 +506,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if not ops:
             return
         last_step_id = m.last_step_id
-        result = m.step(ops)
+        # Sometimes under a block budget (a tenant's quota room): never more taken, net.
+        budget = data.draw(st.one_of(st.none(), st.integers(0, 6)), label="max_new_blocks")
+        free_before = m.pool.get_num_free_blocks()
+        result = m.step(ops, max_new_blocks=budget)
+        if budget is not None:
+            assert free_before - m.pool.get_num_free_blocks() <= budget
         assert result.step_id == m.last_step_id == last_step_id + 1
         assert len(result.results) == len(ops)
         for op, op_result in zip(ops, result.results):
