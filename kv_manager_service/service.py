@@ -130,7 +130,9 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         # call, accepted or rejected (O(pool + tables) each; see `mutating`).
         self.check_invariants = check_invariants
         self.step_keys = StepKeys(limits.idempotency_retention)
-        self.steps: BroadcastLog[pb.StepDelta] = BroadcastLog(limits.step_retention)
+        # Serialized StepDeltas: a parsed message costs several times its bytes,
+        # and the log holds up to step_retention of them.
+        self.steps: BroadcastLog[bytes] = BroadcastLog(limits.step_retention)
         # (monotonic ns when logged, event)
         self.events: BroadcastLog[tuple[int, KVEvent]] = BroadcastLog(limits.event_retention)
         self.worker_acks: dict[str, int] = {}
@@ -230,7 +232,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             if self.journal is not None:
                 journaled = request if request is not None else convert.step_request(ops)
                 self._journal(journal_pb2.JournalRecord(step=journal_pb2.JournalStep(ops=journaled)))
-            self.steps.append(convert.step_delta(ops, result, admitted, children))
+            self.steps.append(convert.step_delta(ops, result, admitted, children).SerializeToString())
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
             self._publish_events()
         return result
@@ -506,7 +508,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                     registered = pb.WatchStepsRequest(worker_id=request.worker_id, from_step_id=first - 1)
                     self._journal(journal_pb2.JournalRecord(register_worker=registered))
             for _, delta in self._follow(self.steps, first, "from_step_id", context):
-                yield delta
+                yield pb.StepDelta.FromString(delta)
         except KVCacheError as error:
             log_rejected("WatchSteps", request, error)
             abort(context, error)
