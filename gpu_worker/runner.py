@@ -180,8 +180,8 @@ class ModelRunner:
             seen.add(request.request_id)
             if not request.token_ids:
                 raise InvalidArgumentError(f"request {request.request_id!r} schedules no token", f"{field}.token_ids")
-            bad = next((t for t in request.token_ids if t >= vocab_size), None)
-            if bad is not None:
+            if max(request.token_ids) >= vocab_size:
+                bad = next(t for t in request.token_ids if t >= vocab_size)
                 raise InvalidArgumentError(
                     f"request {request.request_id!r}: token id {bad} is outside the vocabulary of {vocab_size}",
                     f"{field}.token_ids",

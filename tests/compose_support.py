@@ -28,12 +28,13 @@ import dataclasses
 import os
 import re
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import yaml
+
+from processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,12 +147,6 @@ def start_order(services: Mapping[str, Service]) -> list[str]:
         assert ready, f"a dependency cycle, or a dependency on a missing service, among {set(services) - set(order)}"
         order.append(ready[0])
     return order
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def local_program(name: str) -> list[str]:

@@ -7,6 +7,7 @@ traceback in its log.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -54,3 +55,10 @@ def log_records(process: LaunchedProcess) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             raise AssertionError(f"stderr line {number} is not JSON: {line!r}") from None
     return records
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a server that must keep its port across restarts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -19,17 +18,11 @@ import time
 from e2e_support import DenseOracle
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
-from processes import launch, stop_all
+from processes import free_port, launch, stop_all
 from reference_scheduler import ReferenceScheduler, SchedulerConfig, WorkerClient
 
 MODEL = "tiny"
 POOL = '{"num_blocks": 128, "groups": [{"kind": "full_attention", "block_size": 16}]}'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(prefix: str, scheduler: ReferenceScheduler) -> list:

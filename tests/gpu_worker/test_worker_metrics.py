@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 
 import grpc
 import pytest
 from e2e_support import start_stack, stop_stack
-from processes import log_records
+from processes import free_port, log_records
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_manager_service.core import AllocateOp, FreeOp
@@ -17,12 +16,6 @@ from kvcache.v1 import worker_pb2 as pb
 
 POOL = {"num_blocks": 64, "groups": [{"kind": "full_attention", "block_size": 16}]}
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

@@ -12,7 +12,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from kv_manager_service.core import AllocateStatus
 from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm
 from kv_manager_service.redis_schema import KeySchema
 from kvcache.v1 import kv_manager_pb2 as pb
+from processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 REDIS_SERVER = shutil.which("redis-server")
@@ -42,12 +42,6 @@ LEASE_TTL_S = 1.0
 CONVERGE_TIMEOUT_S = 20.0  # generous: 2 slow cores, a writer that backs off up to 2 s
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def namespace(model_name: str = "default", seed: str | None = None) -> str:

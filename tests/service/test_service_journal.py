@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
@@ -13,16 +12,10 @@ from kv_manager_service.journal import Journal, JournalError
 from kv_manager_service.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
-from processes import launch, stop_all
+from processes import free_port, launch, stop_all
 from svc_support import alloc, connect, op_alloc, op_free, pool_config, read_steps, snapshot, step_request, write_config
 
 POOL = pool_config(48, 16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Manager:

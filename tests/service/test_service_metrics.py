@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import re
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -19,7 +18,7 @@ from typing import Iterator
 
 import grpc
 import pytest
-from processes import log_records
+from processes import free_port, log_records
 from prometheus_client.parser import text_string_to_metric_families
 from svc_support import (
     OK,
@@ -75,12 +74,6 @@ def metrics_url(process: LaunchedProcess) -> str:
     urls = [record["metrics_url"] for record in log_records(process) if "metrics_url" in record]
     assert len(urls) == 1, process.log()
     return urls[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass
