@@ -54,7 +54,7 @@ from kv_manager_service.core import (
 )
 from kv_manager_service.core import hashing
 from kv_manager_service.core.block_pool import BlockPool
-from kv_manager_service.replay import ReplayConfig, ReplayProgress, replay
+from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, replay
 from kv_manager_service.workload import TokenExpander, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ from bench_stats import fmt, percentile  # noqa: E402
 from gpu_worker.model_config import BUILTIN_MODELS  # noqa: E402
 from kv_manager_service.cli import DEFAULT_TRACE  # noqa: E402
 from kv_manager_service.client import KVManagerClient  # noqa: E402
-from kv_manager_service.launch import launch  # noqa: E402
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX  # noqa: E402
+from kv_manager_service.rpc.launch import launch  # noqa: E402
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX  # noqa: E402
 from kv_manager_service.workload import TokenExpander, load_trace  # noqa: E402
 from reference_scheduler import ReferenceScheduler, WorkerClient  # noqa: E402
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import fmt, percentile  # noqa: E402
 
 from kv_manager_service.client import KVManagerClient  # noqa: E402
-from kv_manager_service.launch import launch  # noqa: E402
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX  # noqa: E402
+from kv_manager_service.rpc.launch import launch  # noqa: E402
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX  # noqa: E402
 
 BATCH = 256
 CONFIGS = {"no journal": [], "journal, fsync=never": ["never"], "journal, fsync=always": ["always"]}

@@ -99,9 +99,9 @@ import grpc
 import redis
 
 from bench_stats import Series, fmt, percentile
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kv_manager_service import cli
-from kv_manager_service.cluster import ClusterIndex, ReplicaPrefix, choose_replica
+from kv_manager_service.mirror.lookup import ClusterIndex, ReplicaPrefix, choose_replica
 from kv_manager_service.core import (
     AllocateOp,
     AllocateStatus,
@@ -111,8 +111,8 @@ from kv_manager_service.core import (
     KVCacheConfig,
     KVCacheManager,
 )
-from kv_manager_service.redis_schema import KeySchema, Lease
-from kv_manager_service.replay import sampled_token_id
+from kv_manager_service.mirror.schema import KeySchema, Lease
+from kv_manager_service.cli.replay import sampled_token_id
 from kv_manager_service.workload import DEFAULT_VOCAB_SIZE, TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc

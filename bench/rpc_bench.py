@@ -65,11 +65,12 @@ from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
 from bench_stats import Series, fmt
-from kv_manager_service import cli, convert
+from kv_manager_service import cli
+from kv_manager_service.rpc import convert
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig, KVCacheManager
-from kv_manager_service.service import KVManagerServicer, ServiceLimits
+from kv_manager_service.server.servicer import KVManagerServicer, ServiceLimits
 from kvcache.v1 import kv_manager_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -506,8 +507,8 @@ def run_round(
 # Categories of py-spy stacks, first match wins (a frame anywhere in the stack).
 PROFILE_CATEGORIES = (
     ("events", "event publishing (_publish_events, convert.kv_event)", ("_publish_events (",)),
-    ("delta", "service._delta (building the StepDelta)", ("._delta (kv_manager_service/service.py",)),
-    ("log", "step log append", ("(kv_manager_service/broadcast_log.py",)),
+    ("delta", "service._delta (building the StepDelta)", ("._delta (kv_manager_service/server/servicer.py",)),
+    ("log", "step log append", ("(kv_manager_service/server/broadcast_log.py",)),
     ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
     ("step_ops", "convert.step_ops (building AllocateOps)", ("step_ops (", "step_ops.<locals>")),
     ("decode_results", "convert.decode_results", ("decode_results (", "decode_results.<locals>")),

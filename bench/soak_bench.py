@@ -54,8 +54,8 @@ import grpc
 
 from bench_stats import fmt, percentile
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.launch import LaunchedProcess, launch
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError
+from kv_manager_service.rpc.launch import LaunchedProcess, launch
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from kv_manager_service.core.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
+from kv_manager_service.rpc.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
 
 
 class BlockTables:

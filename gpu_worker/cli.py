@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gpu_worker.model_config import BUILTIN_MODELS
-from kv_manager_service.logs import configure_logging
+from kv_manager_service.rpc.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +76,7 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _security_options(args: argparse.Namespace) -> dict:
-    from kv_manager_service import security
+    from kv_manager_service.rpc import security
 
     return dict(
         tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca),

@@ -18,7 +18,7 @@ from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.sampling import SamplingParams, choose
 from kernels import KernelSet
-from kv_manager_service.core.errors import FailedPreconditionError, InvalidArgumentError
+from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 

@@ -22,9 +22,9 @@ from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, Worker
 from gpu_worker.step_follower import StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
-from kv_manager_service.ready_line import WORKER_READY_PREFIX
-from kv_manager_service.security import BearerAuthInterceptor, ClientTLS, ServerTLS, TokenTable
+from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
+from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
+from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, ServerTLS, TokenTable
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
 
-from kv_manager_service import convert
+from kv_manager_service.rpc import convert
 from kv_manager_service.core import (
     AllocateOp,
     AllocateResult,
@@ -37,11 +37,11 @@ from kv_manager_service.core import (
     Stats,
     StepResult,
 )
-from kv_manager_service.core import errors as core_errors
+from kv_manager_service.rpc import errors as core_errors
 from kv_manager_service.core.ops import Op
-from kv_manager_service.idempotency import IdempotencyKeyReusedError
-from kv_manager_service.security import ClientTLS, client_channel
-from kv_manager_service.status import ERROR_DOMAIN, error_info
+from kv_manager_service.rpc.errors import IdempotencyKeyReusedError
+from kv_manager_service.rpc.security import ClientTLS, client_channel
+from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.launch import LaunchedProcess, launch
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
+from kv_manager_service.rpc.launch import LaunchedProcess, launch
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
 from kv_manager_service.workload import TokenExpander, TraceRecord, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
 from reference_scheduler.demo_report import Sample, build_report, print_report, write_figure

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kv_manager_service.arg_types import fraction, positive_int
+from kv_manager_service.rpc.arg_types import fraction, positive_int
 
 
 def _replica(text: str) -> tuple[str, str]:

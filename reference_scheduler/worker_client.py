@@ -6,7 +6,7 @@ from typing import NamedTuple, Sequence
 
 import grpc
 
-from kv_manager_service.security import ClientTLS, client_channel
+from kv_manager_service.rpc.security import ClientTLS, client_channel
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
 

@@ -1,4 +1,4 @@
-"""Real server processes for tests, started as a user starts them (`kv_manager_service.launch`).
+"""Real server processes for tests, started as a user starts them (`kv_manager_service.rpc.launch`).
 
 Each must exit 0 within a few seconds of SIGTERM (graceful shutdown), with no
 traceback in its log.
@@ -11,9 +11,9 @@ import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from kv_manager_service import launch as launcher
-from kv_manager_service.launch import LaunchedProcess
-from kv_manager_service.ready_line import NotReadyError
+from kv_manager_service.rpc import launch as launcher
+from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.ready_line import NotReadyError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHUTDOWN_TIMEOUT_S = 8.0  # the servers' own grace is 5 s; streams end at once

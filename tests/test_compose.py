@@ -42,9 +42,9 @@ from processes import launch, stop_all
 from gpu_worker.cli import build_parser
 from kv_manager_service.cli import make_parser
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.launch import LaunchedProcess
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
-from kv_manager_service.redis_schema import KeySchema
+from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from kv_manager_service.mirror.schema import KeySchema
 from kvcache.v1 import kv_manager_pb2 as pb
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"

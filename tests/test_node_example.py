@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 

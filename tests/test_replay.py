@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
-from kv_manager_service.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
+from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_manager_service.workload import TokenExpander, load_trace
 
 EXCERPT = Path(__file__).parent / "data" / "mooncake_excerpt.jsonl"

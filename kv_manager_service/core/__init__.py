@@ -5,7 +5,7 @@ gRPC server, the Redis mirror) drive it and drain its queues.
 """
 
 from kv_manager_service.core.config import GroupKind, GroupSpec, KVCacheConfig
-from kv_manager_service.core.errors import (
+from kv_manager_service.rpc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,

@@ -14,7 +14,7 @@ from kv_manager_service.core.block_pool import BlockPool
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.core.config import KVCacheConfig
 from kv_manager_service.core.coordinator import KVCacheCoordinator
-from kv_manager_service.core.errors import (
+from kv_manager_service.rpc.errors import (
     InvalidArgumentError,
     OutOfRangeError,
 )

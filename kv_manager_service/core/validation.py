@@ -6,7 +6,7 @@ from array import array
 from typing import Iterable, Sequence
 
 from kv_manager_service.core.config import KVCacheConfig
-from kv_manager_service.core.errors import (
+from kv_manager_service.rpc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,

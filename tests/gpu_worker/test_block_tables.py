@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.block_tables import BlockTables
-from kv_manager_service.core.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
+from kv_manager_service.rpc.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
 
 CPU = torch.device("cpu")
 

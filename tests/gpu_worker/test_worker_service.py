@@ -12,8 +12,8 @@ from processes import launch, stop_all
 
 from gpu_worker.sampling import GREEDY
 from kv_manager_service.core import AllocateOp
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX
-from kv_manager_service.status import error_info
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.rpc.status import error_info
 from kvcache.v1 import worker_pb2 as pb
 
 POOL = {"num_blocks": 64, "groups": [{"kind": "full_attention", "block_size": 16}]}

@@ -23,11 +23,11 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import grpc
 import redis
 
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
 from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm
-from kv_manager_service.redis_schema import KeySchema
+from kv_manager_service.mirror.schema import KeySchema
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import free_port
 

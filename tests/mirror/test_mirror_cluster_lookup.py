@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kv_manager_service.cluster import choose_replica
+from kv_manager_service.mirror.lookup import choose_replica
 from mirror_support import BLOCK_SIZE, CONVERGE_TIMEOUT_S, prompt, wait_until
 
 
@@ -86,9 +86,9 @@ def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(re
     # The router helper agrees with the answer, from the same mirror.
     import redis
 
-    from kv_manager_service.cluster import ClusterIndex
+    from kv_manager_service.mirror.lookup import ClusterIndex
     from mirror_support import block_hashes, namespace
-    from kv_manager_service.redis_schema import KeySchema
+    from kv_manager_service.mirror.schema import KeySchema
 
     client = redis.Redis.from_url(redis_server.url)
     try:

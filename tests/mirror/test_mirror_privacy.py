@@ -7,7 +7,7 @@ import struct
 
 import cbor2
 
-from kv_manager_service.redis_schema import KeySchema
+from kv_manager_service.mirror.schema import KeySchema
 from mirror_support import (
     BLOCK_SIZE,
     CONVERGE_TIMEOUT_S,

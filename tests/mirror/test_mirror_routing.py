@@ -8,8 +8,8 @@ import itertools
 import pytest
 import redis
 
-from kv_manager_service.cluster import ClusterIndex, ReplicaPrefix, choose_replica
-from kv_manager_service.redis_schema import ClusterUnavailableError, KeySchema, Lease
+from kv_manager_service.mirror.lookup import ClusterIndex, ReplicaPrefix, choose_replica
+from kv_manager_service.mirror.schema import ClusterUnavailableError, KeySchema, Lease
 
 
 def _prefix(replica_id: str, num_blocks: int, usage: float = 0.5, num_requests: int = 4) -> ReplicaPrefix:

@@ -20,10 +20,10 @@ from typing import Callable, Iterator
 import pytest
 import redis
 
-from kv_manager_service.broadcast_log import BroadcastLog
+from kv_manager_service.server.broadcast_log import BroadcastLog
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kv_manager_service.mirror import MirrorOptions, MirrorWriter
-from kv_manager_service.redis_schema import KeySchema, Lease
+from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
+from kv_manager_service.mirror.schema import KeySchema, Lease
 from mirror_support import replica_block_set, wait_until
 
 REPLICA = "writer-under-test"

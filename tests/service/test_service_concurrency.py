@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig
-from kv_manager_service.server import ServerOptions, start_server
+from kv_manager_service.server.process import ServerOptions, start_server
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from svc_support import Worker, connect, pool_config, read_steps, stats, tables

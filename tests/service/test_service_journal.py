@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kv_manager_service.journal import Journal, JournalError
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.server.journal import Journal, JournalError
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import free_port, launch, stop_all

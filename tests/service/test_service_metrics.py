@@ -35,9 +35,9 @@ from svc_support import (
 )
 
 from kv_manager_service.core import KVCacheConfig
-from kv_manager_service.launch import LaunchedProcess
-from kv_manager_service.logs import JsonFormatter
-from kv_manager_service.server import ServerOptions, start_server
+from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.logs import JsonFormatter
+from kv_manager_service.server.process import ServerOptions, start_server
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -179,7 +179,7 @@ def test_rejected_calls_are_counted_by_method_and_code_and_logged_with_their_req
     }
     free = rejected[("e-ghost",)]
     assert (free["level"], free["logger"], free["method"], free["code"], free["reason"], free["field"]) == (
-        "INFO", "kv_manager_service.service", "Free", "NOT_FOUND", "REQUEST_NOT_FOUND", "request_ids",
+        "INFO", "kv_manager_service.server.servicer", "Free", "NOT_FOUND", "REQUEST_NOT_FOUND", "request_ids",
     )  # fmt: skip
     assert "e-ghost" in free["msg"]
     empty = rejected[("e-empty",)]
@@ -212,8 +212,8 @@ def test_text_logs_and_no_metrics_endpoint_without_the_flag(server_factory):
         rpc_error(stub.Free, pb.FreeRequest(request_ids=["t-ghost"]))
     lines = server.log().splitlines()
     stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
-    serving = rf'{stamp} INFO kv_manager_service\.server: serving replica_id=plain .* replica_id="plain"'
-    rejected = rf'{stamp} INFO kv_manager_service\.service: Free rejected: .* request_ids=\["t-ghost"\]'
+    serving = rf'{stamp} INFO kv_manager_service\.server\.process: serving replica_id=plain .* replica_id="plain"'
+    rejected = rf'{stamp} INFO kv_manager_service\.server\.servicer: Free rejected: .* request_ids=\["t-ghost"\]'
     assert any(re.match(serving, line) for line in lines), lines
     assert any(re.match(rejected, line) for line in lines), lines
     assert not any("metrics" in line for line in lines), lines

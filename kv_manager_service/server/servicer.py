@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from kv_manager_service import convert
-from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.rpc import convert
+from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core import (
     AllocateOp,
     ForkOp,
@@ -49,23 +49,24 @@ from kv_manager_service.core import (
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.hashing import HashExtras
-from kv_manager_service.redis_schema import ClusterUnavailableError, Lease
+from kv_manager_service.mirror.schema import ClusterUnavailableError, Lease
 from kv_manager_service.core.ops import Op
-from kv_manager_service.idempotency import StepKeys, check_key, request_fingerprint
-from kv_manager_service.journal import Journal
-from kv_manager_service.logs import MAX_LOGGED_IDS
-from kv_manager_service.security import Principal, TokenTable
-from kv_manager_service.status import PermissionDeniedError, abort, status_code
-from kv_manager_service.tenancy import Tenancy
+from kv_manager_service.server.idempotency import StepKeys, check_key, request_fingerprint
+from kv_manager_service.server.journal import Journal
+from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
+from kv_manager_service.rpc.security import Principal, TokenTable
+from kv_manager_service.rpc.errors import PermissionDeniedError
+from kv_manager_service.rpc.status import abort, status_code
+from kv_manager_service.server.tenancy import Tenancy
 from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the mirror needs the optional redis package
-    from kv_manager_service.cluster import ClusterIndex
-    from kv_manager_service.mirror import MirrorWriter
+    from kv_manager_service.mirror.lookup import ClusterIndex
+    from kv_manager_service.mirror.writer import MirrorWriter
 
-log = logging.getLogger("kv_manager_service.service")
+log = logging.getLogger("kv_manager_service.server.servicer")
 
 Response = TypeVar("Response")
 

@@ -1,4 +1,8 @@
-"""Caller mistakes, as typed exceptions. The service maps each to one gRPC code.
+"""Caller mistakes, as typed exceptions: the error vocabulary of the contract.
+
+The core raises them, the servicers (manager and worker) map each to one gRPC
+code (`kv_manager_service.rpc.status`), and the client raises them again from
+a rejected call's status. Pure Python, importing nothing: the core may use it.
 
 Internal invariants are `assert`s: a failed one is a bug, never the caller's fault.
 """
@@ -38,3 +42,21 @@ class ResourceExhaustedError(KVCacheError):
 
 class OutOfRangeError(KVCacheError):
     reason = "OUT_OF_RANGE"
+
+
+class IdempotencyKeyReusedError(FailedPreconditionError):
+    """The key was already used by a different request (FAILED_PRECONDITION)."""
+
+    reason = "IDEMPOTENCY_KEY_REUSED"
+
+
+class UnauthenticatedError(KVCacheError):
+    """The call carries no valid credentials. Raised by the service, never by the core."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KVCacheError):
+    """The caller is known but its role may not make this call. Raised by the service, never by the core."""
+
+    reason = "PERMISSION_DENIED"

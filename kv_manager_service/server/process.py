@@ -20,23 +20,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager
-from kv_manager_service.journal import Journal
-from kv_manager_service.metrics import (
-    ManagerCollector,
-    MetricsServer,
-    RpcMetricsInterceptor,
-    new_registry,
-    start_metrics_server,
-)
-from kv_manager_service.parse_errors import ParseErrorInterceptor
-from kv_manager_service.ready_line import MANAGER_READY_PREFIX
-from kv_manager_service.security import BearerAuthInterceptor, ServerTLS, TokenTable
-from kv_manager_service.service import KVManagerServicer, ServiceLimits
-from kv_manager_service.tenancy import Tenancy
+from kv_manager_service.server.journal import Journal
+from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
+from kv_manager_service.server.metrics import ManagerCollector
+from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
+from kv_manager_service.server.servicer import KVManagerServicer, ServiceLimits
+from kv_manager_service.server.tenancy import Tenancy
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
-log = logging.getLogger("kv_manager_service.server")
+log = logging.getLogger("kv_manager_service.server.process")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVManagerService"]
 SERVICE_NAME = SERVICE.full_name
@@ -59,7 +54,7 @@ class ServerOptions:
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
     journal_path: Path | None = None  # None: no journal; a restart starts empty
-    journal_fsync: str = "always"  # or "never": see kv_manager_service/journal.py
+    journal_fsync: str = "always"  # or "never": see kv_manager_service/server/journal.py
     metrics_port: int | None = None  # serve Prometheus metrics on host:metrics_port (0: any free port)
     check_invariants: bool = False  # debugging/testing: check the core after every mutating call
     tls: ServerTLS | None = None  # None: plaintext gRPC
@@ -203,9 +198,9 @@ def _start_mirror(servicer: KVManagerServicer, config: KVCacheConfig, options: S
         import redis
     except ImportError as e:
         raise ValueError("--redis-url needs the redis package: pip install 'kv-manager-service[redis]'") from e
-    from kv_manager_service.cluster import ClusterIndex
-    from kv_manager_service.mirror import MirrorOptions, MirrorWriter
-    from kv_manager_service.redis_schema import KeySchema
+    from kv_manager_service.mirror.lookup import ClusterIndex
+    from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
+    from kv_manager_service.mirror.schema import KeySchema
 
     # Short timeouts: a slow Redis must not hold a lookup or the writer for long.
     secrets = {} if options.redis_password is None else {"password": options.redis_password}

@@ -61,7 +61,7 @@ from kv_manager_service.core import (
     StepResult,
 )
 from kv_manager_service.core.ops import Op
-from kv_manager_service.security import TokenTable
+from kv_manager_service.rpc.security import TokenTable
 from kvcache.v1 import kv_manager_pb2 as pb
 
 SEPARATOR = "/"

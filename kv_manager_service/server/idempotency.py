@@ -25,15 +25,10 @@ from collections import OrderedDict
 
 from google.protobuf.message import Message
 
-from kv_manager_service.core.errors import FailedPreconditionError, InvalidArgumentError
+from kv_manager_service.rpc.errors import IdempotencyKeyReusedError, InvalidArgumentError
 
 MAX_KEY_LENGTH = 256  # characters; a UUID has 36
 
-
-class IdempotencyKeyReusedError(FailedPreconditionError):
-    """The key was already used by a different request (FAILED_PRECONDITION)."""
-
-    reason = "IDEMPOTENCY_KEY_REUSED"
 
 
 def request_fingerprint(request: Message) -> bytes:

@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple
 
 import grpc
 
-from kv_manager_service.core.errors import InvalidArgumentError
-from kv_manager_service.status import abort
+from kv_manager_service.rpc.errors import InvalidArgumentError
+from kv_manager_service.rpc.status import abort
 
-log = logging.getLogger("kv_manager_service.service")
+log = logging.getLogger("kv_manager_service.server.servicer")
 
 
 class Unparsed(NamedTuple):

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from kv_manager_service.ready_line import NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.ready_line import NotReadyError, wait_for_ready_line
 
 
 class LaunchedProcess:

@@ -13,29 +13,20 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kv_manager_service.core.errors import (
+from kv_manager_service.rpc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,
     OutOfRangeError,
+    PermissionDeniedError,
     RequestExistsError,
     RequestNotFoundError,
     ResourceExhaustedError,
+    UnauthenticatedError,
 )
 
 ERROR_DOMAIN = "kvcache.v1"
 
-
-class UnauthenticatedError(KVCacheError):
-    """The call carries no valid credentials. Raised by the service, never by the core."""
-
-    reason = "UNAUTHENTICATED"
-
-
-class PermissionDeniedError(KVCacheError):
-    """The caller is known but its role may not make this call. Raised by the service, never by the core."""
-
-    reason = "PERMISSION_DENIED"
 
 
 STATUS_CODES: dict[type[KVCacheError], grpc.StatusCode] = {

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvcache.v1 import journal_pb2 as pb
 
-log = logging.getLogger("kv_manager_service.journal")
+log = logging.getLogger("kv_manager_service.server.journal")
 
 FORMAT_VERSION = 1
 FSYNC_POLICIES = ("always", "never")

@@ -22,11 +22,11 @@ from typing import Callable
 
 import redis
 
-from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kv_manager_service.redis_schema import KeySchema, Lease
+from kv_manager_service.mirror.schema import KeySchema, Lease
 
-log = logging.getLogger("kv_manager_service.mirror")
+log = logging.getLogger("kv_manager_service.mirror.writer")
 
 BlockKey = tuple[int, bytes]  # (group id, block hash)
 # A consistent view of the pool: its cached (group, hash) counts, and the

@@ -56,10 +56,11 @@ from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import grpc
 
-from kv_manager_service.core.errors import KVCacheError
-from kv_manager_service.status import PermissionDeniedError, UnauthenticatedError, abort, status_code
+from kv_manager_service.rpc.errors import KVCacheError
+from kv_manager_service.rpc.errors import PermissionDeniedError, UnauthenticatedError
+from kv_manager_service.rpc.status import abort, status_code
 
-log = logging.getLogger("kv_manager_service.security")
+log = logging.getLogger("kv_manager_service.rpc.security")
 
 MIN_TOKEN_CHARS = 16
 MIN_SECRET_BYTES = 16

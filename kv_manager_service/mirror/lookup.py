@@ -13,7 +13,7 @@ from typing import Sequence
 
 import redis
 
-from kv_manager_service.redis_schema import ClusterUnavailableError, KeySchema, Lease
+from kv_manager_service.mirror.schema import ClusterUnavailableError, KeySchema, Lease
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from kv_manager_service.arg_types import fraction, positive_int
+from kv_manager_service.rpc.arg_types import fraction, positive_int
 from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
 
 # The trace ships in the repository's data/ folder, beside the package.
@@ -77,7 +77,7 @@ def add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 def security_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerOptions fields of `add_security_flags`, with their files read."""
-    from kv_manager_service import security
+    from kv_manager_service.rpc import security
 
     return dict(
         tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca),
@@ -227,9 +227,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kv_manager_service.logs import configure_logging
-    from kv_manager_service.server import ServerOptions, serve
-    from kv_manager_service.service import ServiceLimits
+    from kv_manager_service.rpc.logs import configure_logging
+    from kv_manager_service.server.process import ServerOptions, serve
+    from kv_manager_service.server.servicer import ServiceLimits
 
     configure_logging(args.log_level, args.log_format)
     config = build_config(args)
@@ -257,7 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from kv_manager_service.replay import ReplayConfig, ReplayProgress, replay
+    from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, replay
     from kv_manager_service.workload import TokenExpander, load_trace
 
     config = build_config(args)
@@ -320,6 +320,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"kv-manager: error: {e}\n")
     return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

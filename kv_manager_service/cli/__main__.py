@@ -1,0 +1,7 @@
+"""`python -m kv_manager_service.cli`: the `kv-manager` command."""
+
+import sys
+
+from kv_manager_service.cli import main
+
+sys.exit(main())

@@ -1,0 +1,116 @@
+"""The manager's own figures for Prometheus, read at scrape time by `ManagerCollector`.
+
+Manager metrics (`kvcache_` prefix):
+
+| name | type | what |
+|---|---|---|
+| `kvcache_num_blocks` | gauge | blocks in the pool, the null block included |
+| `kvcache_num_free_blocks` | gauge | blocks free (cached free blocks included) |
+| `kvcache_usage_ratio` | gauge | share of usable blocks in use, 0..1 (`GetStats.usage`) |
+| `kvcache_num_requests_running` | gauge | live requests |
+| `kvcache_prefix_cache_query_tokens_total` | counter | prompt tokens looked up in the prefix cache |
+| `kvcache_prefix_cache_hit_tokens_total` | counter | of those, tokens found cached |
+| `kvcache_prefix_cache_hit_ratio` | gauge | hits / queries since start (0 before any query) |
+| `kvcache_evictions_total` | counter | cached blocks evicted for reuse |
+| `kvcache_num_pending_copies` | gauge | block copies not yet acknowledged by the workers |
+| `kvcache_last_step_id` | gauge | the last step id issued |
+| `kvcache_last_event_sequence` | gauge | the last cache event logged |
+| `kvcache_mirror_enabled` | gauge | 1 when the Redis mirror is on |
+| `kvcache_mirror_lag_seconds` | gauge | age of the newest event the mirror wrote, when it wrote it |
+| `kvcache_mirror_queue_depth` | gauge | events logged but not yet written to Redis |
+| `kvcache_mirror_failures_total` | counter | Redis calls that failed |
+| `kvcache_mirror_resyncs_total` | counter | full re-publications of the cached set |
+| `kvcache_rpc_duration_seconds{method}` | histogram | time in the handler of each unary call |
+| `kvcache_rpc_errors_total{method,code}` | counter | calls that ended with a status other than OK |
+| `kvcache_tenant_blocks{tenant}` | gauge | with `--multi-tenant`: blocks the tenant holds (see tenancy.py) |
+| `kvcache_tenant_quota_blocks{tenant}` | gauge | the tenant's quota, for tenants with one |
+| `kvcache_tenant_requests{tenant}` | gauge | the tenant's live requests |
+| `kvcache_tenant_quota_refusals_total{tenant}` | counter | its allocate ops answered NO_SPACE while its quota was the tighter limit |
+| `kvcache_tenant_prefix_cache_query_tokens_total{tenant}`, `..._hit_tokens_total{tenant}` | counter | its prompt tokens looked up, and found, in the prefix cache |
+
+plus the `process_*` metrics (CPU, memory, open files) of the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from kv_manager_service.server.servicer import KVManagerServicer
+
+
+class ManagerCollector:
+    """The servicer's own figures, read at scrape time (pool stats under the servicer's lock)."""
+
+    def __init__(self, servicer: KVManagerServicer) -> None:
+        self.servicer = servicer
+
+    def collect(self) -> Iterator[Metric]:
+        servicer = self.servicer
+        with servicer.lock:
+            stats = servicer.manager.stats()
+            last_step_id = servicer.manager.last_step_id
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        mirror = servicer.mirror.metrics if servicer.mirror is not None else None
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        figures = [
+            (gauge, "kvcache_num_blocks", "Blocks in the pool, the null block included.", stats.num_blocks),
+            (gauge, "kvcache_num_free_blocks", "Free blocks, cached free blocks included.", stats.num_free_blocks),
+            (gauge, "kvcache_usage_ratio", "Share of the usable blocks in use, 0..1.", stats.usage),
+            (gauge, "kvcache_num_requests_running", "Live requests (allocated and not freed).", stats.num_requests),
+            (counter, "kvcache_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.", queries),
+            (counter, "kvcache_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", hits),
+            (gauge, "kvcache_prefix_cache_hit_ratio", "Hit / query tokens since start; 0 before any query.",
+             hits / queries if queries else 0.0),
+            (counter, "kvcache_evictions", "Cached blocks evicted to be reused.", stats.num_evictions),
+            (gauge, "kvcache_num_pending_copies", "Block copies not yet acknowledged by every worker.",
+             stats.num_pending_copies),
+            (gauge, "kvcache_last_step_id", "The last step id issued.", last_step_id),
+            (gauge, "kvcache_last_event_sequence", "The sequence number of the last cache event logged.",
+             servicer.events.last_id),
+            (gauge, "kvcache_mirror_enabled", "1 when the prefix index is mirrored to Redis.", int(mirror is not None)),
+            (gauge, "kvcache_mirror_lag_seconds", "Age of the newest event the mirror wrote, when it wrote it.",
+             mirror.lag_ms / 1e3 if mirror else 0.0),
+            (gauge, "kvcache_mirror_queue_depth", "Cache events logged but not yet written to Redis.",
+             mirror.queue_depth if mirror else 0),
+            (counter, "kvcache_mirror_failures", "Redis calls of the mirror that failed.",
+             mirror.num_failures if mirror else 0),
+            (counter, "kvcache_mirror_resyncs", "Full re-publications of the cached set to Redis.",
+             mirror.num_resyncs if mirror else 0),
+        ]  # fmt: skip
+        for family, name, documentation, value in figures:
+            yield family(name, documentation, value=value)
+        if servicer.tenants is not None:
+            yield from _tenant_metrics(servicer)
+
+
+def _tenant_metrics(servicer: KVManagerServicer) -> Iterator[Metric]:
+    """Per-tenant figures of a multi-tenant server (see tenancy.py), labelled by tenant."""
+    with servicer.lock:
+        usage = {tenant: dataclasses.replace(u) for tenant, u in servicer.tenants.usage.items()}
+    families = [
+        (GaugeMetricFamily, "kvcache_tenant_blocks",
+         "Blocks the tenant holds (its tables' distinct blocks, and those only its unacknowledged copies hold).",
+         lambda u: u.num_blocks),
+        (GaugeMetricFamily, "kvcache_tenant_requests", "The tenant's live requests.", lambda u: u.num_requests),
+        (CounterMetricFamily, "kvcache_tenant_quota_refusals",
+         "The tenant's allocate ops answered NO_SPACE while its quota, not the pool, was the tighter limit.",
+         lambda u: u.num_quota_refusals),
+        (CounterMetricFamily, "kvcache_tenant_prefix_cache_query_tokens",
+         "The tenant's prompt tokens looked up in the prefix cache.", lambda u: u.prefix_cache_queries),
+        (CounterMetricFamily, "kvcache_tenant_prefix_cache_hit_tokens",
+         "The tenant's prompt tokens found in the prefix cache.", lambda u: u.prefix_cache_hits),
+    ]  # fmt: skip
+    for family, name, documentation, value in families:
+        metric = family(name, documentation, labels=["tenant"])
+        for tenant, u in sorted(usage.items()):
+            metric.add_metric([tenant], value(u))
+        yield metric
+    quotas = GaugeMetricFamily("kvcache_tenant_quota_blocks", "The tenant's block quota (tenants with one).", labels=["tenant"])
+    for tenant, u in sorted(usage.items()):
+        if u.quota_blocks is not None:
+            quotas.add_metric([tenant], u.quota_blocks)
+    yield quotas
