@@ -21,29 +21,58 @@ from typing import Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
 
-from kv_manager_service.rpc import convert
-from kv_manager_service.core import (
+# The core's value types are the client's too: code written against the
+# in-process core runs against the service unchanged. Schedulers and workers
+# import them from here, never from the core.
+from kv_manager_service.core.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,
     BlockCopy,
     BlockTable,
     CacheHit,
+    ForkOp,
     ForkResult,
+    FreeOp,
     FreeResult,
-    LoraRef,
-    MMFeature,
+    Op,
     PendingCopy,
     Stats,
     StepResult,
 )
+from kv_manager_service.core.hashing import LoraRef, MMFeature
+from kv_manager_service.rpc import convert
 from kv_manager_service.rpc import errors as core_errors
-from kv_manager_service.core.ops import Op
 from kv_manager_service.rpc.errors import IdempotencyKeyReusedError
 from kv_manager_service.rpc.security import ClientTLS, client_channel
 from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+__all__ = [
+    "AllocateOp",
+    "AllocateResult",
+    "AllocateStatus",
+    "BlockCopy",
+    "BlockTable",
+    "BlockTables",
+    "CacheHit",
+    "DecodeStepResult",
+    "DecodeTableChange",
+    "ForkOp",
+    "ForkResult",
+    "FreeOp",
+    "FreeResult",
+    "KVManagerClient",
+    "LoraRef",
+    "MMFeature",
+    "Op",
+    "PendingCopy",
+    "ReplicaHit",
+    "RetryPolicy",
+    "Stats",
+    "StepResult",
+]
 
 Response = TypeVar("Response")
 

@@ -13,7 +13,7 @@ from kv_manager_service.rpc.arg_types import fraction, positive_int
 from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
 
 # The trace ships in the repository's data/ folder, beside the package.
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> None:
@@ -229,7 +229,7 @@ def make_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from kv_manager_service.rpc.logs import configure_logging
     from kv_manager_service.server.process import ServerOptions, serve
-    from kv_manager_service.server.servicer import ServiceLimits
+    from kv_manager_service.server.replica import ServiceLimits
 
     configure_logging(args.log_level, args.log_format)
     config = build_config(args)

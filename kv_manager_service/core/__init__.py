@@ -21,6 +21,7 @@ from kv_manager_service.core.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,
+    BlockAppend,
     BlockCopy,
     BlockTable,
     CacheHit,
@@ -30,7 +31,9 @@ from kv_manager_service.core.ops import (
     FreeResult,
     GroupAllocation,
     PendingCopy,
+    PrefixLookupKeys,
     Stats,
+    StepDelta,
     StepResult,
 )
 
@@ -39,6 +42,7 @@ __all__ = [
     "AllocateOp",
     "AllocateResult",
     "AllocateStatus",
+    "BlockAppend",
     "BlockCopy",
     "BlockHash",
     "BlockHasher",
@@ -64,9 +68,11 @@ __all__ = [
     "MMFeature",
     "OutOfRangeError",
     "PendingCopy",
+    "PrefixLookupKeys",
     "RequestExistsError",
     "RequestNotFoundError",
     "ResourceExhaustedError",
     "Stats",
+    "StepDelta",
     "StepResult",
 ]

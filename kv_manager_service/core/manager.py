@@ -3,11 +3,19 @@
 The scheduler does not track computed tokens; the manager does. Every
 accepted call takes the next step id, which is what workers follow; a step is
 validated whole before anything changes, so an invalid op changes nothing.
+Each step returns its results and its `StepDelta`, the workers' input, built
+here where each change is made.
+
+The module is longer than most (about 500 lines) because a step's whole
+application (admission, continuation with copy-on-write, free, fork, ack)
+shares the reference-count and retention bookkeeping that the invariants in
+`invariants.py` check together; split apart, each half would need the other's
+private state.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Sequence
 
 from kv_manager_service.core.block_pool import BlockPool
@@ -21,11 +29,12 @@ from kv_manager_service.rpc.errors import (
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.groups import make_group_manager
 from kv_manager_service.core.groups.cross_attention import CrossAttentionManager
-from kv_manager_service.core.hashing import NO_EXTRAS, BlockHasher, HashExtras, LoraRef, MMFeature
+from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, BlockHasher, HashExtras, LoraRef, MMFeature
 from kv_manager_service.core.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,
+    BlockAppend,
     BlockCopy,
     BlockTable,
     CacheHit,
@@ -37,7 +46,9 @@ from kv_manager_service.core.ops import (
     Op,
     OpResult,
     PendingCopy,
+    PrefixLookupKeys,
     Stats,
+    StepDelta,
     StepResult,
 )
 from kv_manager_service.core.invariants import check_invariants
@@ -127,24 +138,44 @@ class KVCacheManager:
         self.last_step_id += 1
         step_id = self.last_step_id
         results: list[OpResult] = []
+        # The step's delta, gathered where each change is made (see StepDelta).
+        rows_added: list[BlockTable] = []
+        blocks_appended: list[BlockAppend] = []
+        copies: list[BlockCopy] = []
+        requests_freed: list[str] = []
+        ok = AllocateStatus.OK
         if max_new_blocks is not None:
             self._reserve = max(0, self.pool.get_num_free_blocks() - max(0, max_new_blocks))
         try:
             for op in ops:
                 if type(op) is AllocateOp:
-                    request = self.requests.get(op.request_id)
+                    request_id = op.request_id
+                    request = self.requests.get(request_id)
                     if request is None:
-                        results.append(self._admit(op, step_id))
+                        result = self._admit(op, step_id)
+                        if result.status is ok:
+                            rows_added.append(self.block_table(request_id))
                     else:
-                        results.append(self._continue(request, op, step_id))
+                        result = self._continue(request, op, step_id)
+                        for group in result.groups:
+                            if group.new_block_ids:
+                                blocks_appended.append(
+                                    BlockAppend(request_id, group.group_id, group.new_block_index, group.new_block_ids)
+                                )
+                        if result.copies:
+                            copies += result.copies
+                    results.append(result)
                 elif type(op) is FreeOp:
                     results.append(FreeResult(self._free(op.request_ids), step_id))
+                    requests_freed += op.request_ids
                 else:
                     self._fork(op.parent_request_id, op.child_request_ids)
                     results.append(ForkResult(step_id))
+                    rows_added += [self.block_table(child_id) for child_id in op.child_request_ids]
         finally:
             self._reserve = 0
-        return StepResult(step_id, tuple(results))
+        delta = StepDelta(step_id, tuple(rows_added), tuple(blocks_appended), tuple(copies), tuple(requests_freed))
+        return StepResult(step_id, tuple(results), delta)
 
     def ack(self, step_id: int) -> int:
         """The workers finished every step up to `step_id`: release its copies.
@@ -196,6 +227,50 @@ class KVCacheManager:
             request.num_computed_tokens,
             tuple(tuple(b.block_id for b in table) for table in request.tables),
         )
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether `request_id` is live (allocated and not freed)."""
+        return request_id in self.requests
+
+    def request_ids(self) -> list[str]:
+        """The live requests' ids, oldest first."""
+        return list(self.requests)
+
+    def cached_block_counts(self) -> Counter[tuple[int, BlockHash]]:
+        """How many cached blocks carry each (group id, block hash); free cached blocks included.
+
+        The cache does not de-duplicate (see BlockPool), so a hash may name
+        several blocks of one group.
+        """
+        counts: Counter[tuple[int, BlockHash]] = Counter()
+        for group_id, cached in enumerate(self.pool.cached):
+            for block_hash, entry in cached.items():
+                counts[(group_id, block_hash)] = 1 if type(entry) is KVCacheBlock else len(entry)
+        return counts
+
+    def prefix_lookup_keys(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+        mm_features: Sequence[MMFeature] = (),
+    ) -> PrefixLookupKeys | None:
+        """The block hashes another replica's cache is asked about for `token_ids`, as a local hit would see them.
+
+        They are the first cacheable group's block hashes, as many as a hit
+        may adopt (at least one token is left to compute). None when no group
+        is cacheable. The other replicas' caches count even when this one's is off.
+        """
+        check_token_ids(token_ids, "token_ids")
+        check_mm_features(tuple(mm_features), len(token_ids))
+        group = next((m for m in self.managers if m.cacheable), None)
+        if group is None or not token_ids:
+            return None
+        extras = _extras(cache_salt, lora, tuple(mm_features))
+        hashes = self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
+        k = group.hashes_per_block
+        max_blocks = (len(token_ids) - 1) // group.block_size
+        return PrefixLookupKeys(group.group_id, group.block_size, self.coordinator.alignment, hashes[k - 1 :: k][:max_blocks])
 
     def pending_copies(self) -> list[PendingCopy]:
         return [PendingCopy(s, BlockCopy(src.block_id, dst.block_id)) for s, src, dst in self._pending_copies]

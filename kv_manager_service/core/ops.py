@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Sequence, Union
 
-from kv_manager_service.core.hashing import LoraRef, MMFeature
+from kv_manager_service.core.hashing import BlockHash, LoraRef, MMFeature
 
 
 class AllocateStatus(enum.IntEnum):
@@ -89,11 +89,6 @@ class ForkResult(NamedTuple):
 OpResult = Union[AllocateResult, FreeResult, ForkResult]
 
 
-class StepResult(NamedTuple):
-    step_id: int
-    results: tuple[OpResult, ...]
-
-
 class CacheHit(NamedTuple):
     num_cached_tokens: int
     block_ids: tuple[tuple[int, ...], ...]  # per group, as `hit_block_ids`
@@ -103,6 +98,57 @@ class BlockTable(NamedTuple):
     request_id: str
     num_computed_tokens: int
     block_ids: tuple[tuple[int, ...], ...]  # per group
+
+
+class BlockAppend(NamedTuple):
+    """Blocks that replace or extend one group's table of a live request, from `new_block_index` on."""
+
+    request_id: str
+    group_id: int
+    new_block_index: int
+    block_ids: tuple[int, ...]
+
+
+class StepDelta(NamedTuple):
+    """What one step changed in the block tables, and the copies to make before it runs: a worker's input.
+
+    `rows_added` are whole tables of requests that appeared (first allocates,
+    fork children); `blocks_appended` change existing requests' tables. A
+    request appears in at most one op of a step, so the parts may be applied
+    in any order. Each part lists its entries in op order.
+    """
+
+    step_id: int
+    rows_added: tuple[BlockTable, ...]
+    blocks_appended: tuple[BlockAppend, ...]
+    copies: tuple[BlockCopy, ...]
+    requests_freed: tuple[str, ...]
+
+
+class StepResult(NamedTuple):
+    """One result per op, in order, and the step's delta for workers.
+
+    `delta` is built by the core, which alone knows which ops admitted a
+    request; a client that rebuilds a StepResult from a response leaves it None.
+    """
+
+    step_id: int
+    results: tuple[OpResult, ...]
+    delta: StepDelta | None = None
+
+
+class PrefixLookupKeys(NamedTuple):
+    """What to ask other replicas' caches about a prompt (see `KVCacheManager.prefix_lookup_keys`).
+
+    A replica holding the first n of `block_hashes` holds n * `block_size`
+    tokens, which count as a hit rounded down to a multiple of `alignment`
+    tokens, as local hits are.
+    """
+
+    group_id: int
+    block_size: int
+    alignment: int
+    block_hashes: list[BlockHash]
 
 
 class PendingCopy(NamedTuple):

@@ -72,10 +72,10 @@ class StepValidator:
                     over_limit = ResourceExhaustedError(
                         f"the step would make {num_live} live requests; "
                         f"the limit max_num_requests is {self.config.max_num_requests}",
-                        f"ops[{index}]",
                     )
+                    over_limit.locate(index)
             except KVCacheError as error:
-                error.field = f"ops[{index}].{error.field}" if error.field else f"ops[{index}]"
+                error.locate(index)
                 raise
         if over_limit is not None:  # reported after every op's own mistakes
             raise over_limit

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import redis
 
+from kv_manager_service.core.ops import PrefixLookupKeys
 from kv_manager_service.mirror.schema import ClusterUnavailableError, KeySchema, Lease
 
 
@@ -30,6 +31,7 @@ class ClusterIndex:
         self.client = client
         self.schema = schema
         self._known_replicas: tuple[str, ...] = ()
+        self.num_failures = 0  # lookups that could not read Redis
 
     def lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[ReplicaPrefix]:
         """Per live replica, how many leading `block_hashes` of `group_id` it holds cached.
@@ -39,7 +41,20 @@ class ClusterIndex:
         try:
             return self._lookup(group_id, block_hashes)
         except redis.RedisError as error:
+            self.num_failures += 1
             raise ClusterUnavailableError(str(error)) from error
+
+    def prefix_hits(self, keys: PrefixLookupKeys) -> list[tuple[str, int]]:
+        """(replica id, cached tokens) per live replica for a prompt's lookup keys.
+
+        Hits end on the lcm of the block sizes (`keys.alignment`), as local
+        hits do. Raises ClusterUnavailableError when Redis cannot be read.
+        """
+        alignment = keys.alignment
+        return [
+            (p.replica_id, p.num_cached_blocks * keys.block_size // alignment * alignment)
+            for p in self.lookup(keys.group_id, keys.block_hashes)
+        ]
 
     def _lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[ReplicaPrefix]:
         schema = self.schema

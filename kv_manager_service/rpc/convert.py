@@ -21,6 +21,7 @@ from kv_manager_service.core import (
     LoraRef,
     MMFeature,
     Stats,
+    StepDelta,
 )
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kv_manager_service.core.ops import Op, OpResult, StepResult
@@ -133,6 +134,16 @@ def step_result(result: OpResult) -> pb.StepResult:
     return pb.StepResult(fork=pb.ForkResponse(step_id=result.step_id))
 
 
+def step_response(request: pb.StepRequest, result: StepResult) -> pb.StepResponse:
+    """One result per nested op, then the decode batch's results in columns."""
+    num_nested = len(request.ops)
+    response = pb.StepResponse(step_id=result.step_id)
+    response.results.extend([step_result(r) for r in result.results[:num_nested]])
+    if len(request.decode.request_ids):
+        response.decode.CopyFrom(decode_results(result.results[num_nested:]))
+    return response
+
+
 def decode_results(results: Sequence[AllocateResult]) -> pb.DecodeResults:
     """Columns for the decode batch; only tables that changed are listed."""
     decode = pb.DecodeResults()
@@ -152,45 +163,23 @@ def decode_results(results: Sequence[AllocateResult]) -> pb.DecodeResults:
     return decode
 
 
-def step_delta(
-    ops: Sequence[Op], result: StepResult, admitted: set[str], child_tables: dict[str, BlockTable]
-) -> pb.StepDelta:
-    """What a step changed in the block tables, for workers.
-
-    `admitted`: the allocate ops that were first calls; `child_tables`: the
-    tables of fork children after the step.
-    """
-    delta = pb.StepDelta(step_id=result.step_id)
-    ok = AllocateStatus.OK
-    for op, op_result in zip(ops, result.results):
-        kind = type(op)
-        if kind is AllocateOp:
-            if op_result.status is not ok:
-                continue
-            if op.request_id in admitted:
-                row = delta.rows_added.add(
-                    request_id=op.request_id,
-                    num_computed_tokens=op_result.num_computed_tokens + op_result.num_scheduled_tokens,
-                )
-                for group in op_result.groups:
-                    row.groups.add(group_id=group.group_id, block_ids=group.hit_block_ids + group.new_block_ids)
-            else:
-                for group in op_result.groups:
-                    if group.new_block_ids:
-                        delta.blocks_appended.add(
-                            request_id=op.request_id,
-                            group_id=group.group_id,
-                            new_block_index=group.new_block_index,
-                            block_ids=group.new_block_ids,
-                        )
-            for copy in op_result.copies:
-                delta.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
-        elif kind is FreeOp:
-            delta.requests_freed.extend(op.request_ids)
-        else:
-            for child_id in op.child_request_ids:
-                block_table(child_tables[child_id], delta.rows_added.add())
-    return delta
+def step_delta(delta: StepDelta) -> pb.StepDelta:
+    """A step's delta for workers, as the core built it."""
+    message = pb.StepDelta(step_id=delta.step_id)
+    for table in delta.rows_added:
+        block_table(table, message.rows_added.add())
+    for update in delta.blocks_appended:
+        message.blocks_appended.add(
+            request_id=update.request_id,
+            group_id=update.group_id,
+            new_block_index=update.new_block_index,
+            block_ids=update.block_ids,
+        )
+    if delta.requests_freed:
+        message.requests_freed.extend(delta.requests_freed)
+    for copy in delta.copies:
+        message.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
+    return message
 
 
 def block_table(table: BlockTable, message: pb.RequestBlockTable) -> pb.RequestBlockTable:

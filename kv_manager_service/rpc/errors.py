@@ -11,13 +11,26 @@ from __future__ import annotations
 
 
 class KVCacheError(Exception):
-    """Base class. `reason` is a stable machine-readable token, `field` the offending input."""
+    """Base class. `reason` is a stable machine-readable token, `field` the offending input.
+
+    An error about one op of a step also says which: `op_index`, and
+    `op_field`, the field within that op (`field` is then `ops[i].<op_field>`),
+    so a server can name it in the terms of the call that carried the op.
+    """
 
     reason = "KV_CACHE_ERROR"
+    op_index: int | None = None
+    op_field: str | None = None
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+    def locate(self, op_index: int) -> None:
+        """Mark the error as one of op `op_index`; its field becomes `ops[op_index].<field>`."""
+        self.op_index = op_index
+        self.op_field = self.field
+        self.field = f"ops[{op_index}].{self.field}" if self.field else f"ops[{op_index}]"
 
 
 class InvalidArgumentError(KVCacheError):

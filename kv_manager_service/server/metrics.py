@@ -38,23 +38,29 @@ from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-if TYPE_CHECKING:
-    from kv_manager_service.server.servicer import KVManagerServicer
+from kv_manager_service.server.replica import Replica
+
+if TYPE_CHECKING:  # the mirror needs the optional redis package
+    from kv_manager_service.mirror.lookup import ClusterIndex
+    from kv_manager_service.mirror.writer import MirrorMetrics
 
 
 class ManagerCollector:
-    """The servicer's own figures, read at scrape time (pool stats under the servicer's lock)."""
+    """The replica's own figures, read at scrape time (pool stats under the replica's lock)."""
 
-    def __init__(self, servicer: KVManagerServicer) -> None:
-        self.servicer = servicer
+    def __init__(
+        self, replica: Replica, mirror: MirrorMetrics | None = None, cluster: ClusterIndex | None = None
+    ) -> None:
+        """`mirror`: the mirror writer's figures, `cluster`: its lookups (None: no mirror)."""
+        self.replica = replica
+        self.mirror = mirror
+        self.cluster = cluster
 
     def collect(self) -> Iterator[Metric]:
-        servicer = self.servicer
-        with servicer.lock:
-            stats = servicer.manager.stats()
-            last_step_id = servicer.manager.last_step_id
+        stats, last_step_id, last_event_sequence = self.replica.stats()
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        mirror = servicer.mirror.metrics if servicer.mirror is not None else None
+        mirror = self.mirror
+        num_mirror_failures = (mirror.num_failures if mirror else 0) + (self.cluster.num_failures if self.cluster else 0)
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         figures = [
             (gauge, "kvcache_num_blocks", "Blocks in the pool, the null block included.", stats.num_blocks),
@@ -70,27 +76,27 @@ class ManagerCollector:
              stats.num_pending_copies),
             (gauge, "kvcache_last_step_id", "The last step id issued.", last_step_id),
             (gauge, "kvcache_last_event_sequence", "The sequence number of the last cache event logged.",
-             servicer.events.last_id),
+             last_event_sequence),
             (gauge, "kvcache_mirror_enabled", "1 when the prefix index is mirrored to Redis.", int(mirror is not None)),
             (gauge, "kvcache_mirror_lag_seconds", "Age of the newest event the mirror wrote, when it wrote it.",
              mirror.lag_ms / 1e3 if mirror else 0.0),
             (gauge, "kvcache_mirror_queue_depth", "Cache events logged but not yet written to Redis.",
              mirror.queue_depth if mirror else 0),
             (counter, "kvcache_mirror_failures", "Redis calls of the mirror that failed.",
-             mirror.num_failures if mirror else 0),
+             num_mirror_failures),
             (counter, "kvcache_mirror_resyncs", "Full re-publications of the cached set to Redis.",
              mirror.num_resyncs if mirror else 0),
         ]  # fmt: skip
         for family, name, documentation, value in figures:
             yield family(name, documentation, value=value)
-        if servicer.tenants is not None:
-            yield from _tenant_metrics(servicer)
+        if self.replica.tenancy is not None:
+            yield from _tenant_metrics(self.replica)
 
 
-def _tenant_metrics(servicer: KVManagerServicer) -> Iterator[Metric]:
+def _tenant_metrics(replica: Replica) -> Iterator[Metric]:
     """Per-tenant figures of a multi-tenant server (see tenancy.py), labelled by tenant."""
-    with servicer.lock:
-        usage = {tenant: dataclasses.replace(u) for tenant, u in servicer.tenants.usage.items()}
+    with replica.lock:
+        usage = {tenant: dataclasses.replace(u) for tenant, u in replica.tenancy.usage.items()}
     families = [
         (GaugeMetricFamily, "kvcache_tenant_blocks",
          "Blocks the tenant holds (its tables' distinct blocks, and those only its unacknowledged copies hold).",

@@ -7,6 +7,7 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import signal
 import socket
 import threading
@@ -14,6 +15,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,10 +28,15 @@ from kv_manager_service.server.metrics import ManagerCollector
 from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
-from kv_manager_service.server.servicer import KVManagerServicer, ServiceLimits
+from kv_manager_service.server.replica import Replica, ServiceLimits
+from kv_manager_service.server.servicer import KVManagerServicer
 from kv_manager_service.server.tenancy import Tenancy
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the mirror needs the optional redis package
+    from kv_manager_service.mirror.lookup import ClusterIndex
+    from kv_manager_service.mirror.writer import MirrorWriter
 
 log = logging.getLogger("kv_manager_service.server.process")
 
@@ -98,9 +105,11 @@ class ServerOptions:
 @dataclass
 class RunningServer:
     server: grpc.Server
+    replica: Replica
     servicer: KVManagerServicer
     health: health.HealthServicer
     address: str
+    mirror: MirrorWriter | None = None  # None: no --redis-url
     metrics: MetricsServer | None = None  # None: no --metrics-port
 
     @property
@@ -111,54 +120,72 @@ class RunningServer:
     def stop(self, grace_s: float) -> None:
         """Refuse new calls, end the streams, let in-flight calls finish, drop the lease, close /metrics."""
         self.health.enter_graceful_shutdown()
-        self.servicer.close()
+        self.replica.close()
         self.server.stop(grace_s).wait()
-        if self.servicer.mirror is not None:
-            self.servicer.mirror.stop()
+        if self.mirror is not None:
+            self.mirror.stop()
         if self.metrics is not None:
             self.metrics.stop()
-        if self.servicer.journal is not None:
-            self.servicer.journal.close()
+        if self.replica.journal is not None:
+            self.replica.journal.close()
+
+
+def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
+    """The replica a server with `options` runs: a fresh core, its tenancy, and its journal replayed."""
+    if options.multi_tenant and config.hash_algorithm is not HashAlgorithm.SHA256_CBOR:
+        raise ValueError(
+            f"--multi-tenant refuses --hash-algorithm {config.hash_algorithm.value}: it is not collision-resistant, "
+            "so one tenant could craft blocks whose hashes equal another's; use sha256_cbor"
+        )
+    config = dataclasses.replace(config, enable_events=True)
+    tenancy = (
+        Tenancy(options.tenant_secret, options.tokens, options.tenant_quota_blocks) if options.multi_tenant else None
+    )
+    journal = None
+    if options.journal_path is not None:
+        journal = Journal.open(options.journal_path, options.replica_id, pool_description(config), options.journal_fsync)
+    started = time.perf_counter()
+    replica = Replica(
+        KVCacheManager(config),
+        options.replica_id,
+        time.time_ns(),  # the incarnation: new at every start, and increasing across restarts
+        options.limits,
+        journal,
+        tenancy,
+        options.check_invariants,
+        on_journal_failure=_stop_on_journal_failure,
+    )
+    if journal is not None:
+        stats, last_step_id, _ = replica.stats()
+        log.info(
+            "journal %s: restored %d records in %.2fs: step %d, %d live requests, %d pending copies",
+            options.journal_path, len(journal.records), time.perf_counter() - started, last_step_id,
+            stats.num_requests, stats.num_pending_copies,
+            extra={"journal": str(options.journal_path), "records": len(journal.records)},
+        )  # fmt: skip
+    return replica
+
+
+def _stop_on_journal_failure(journal: Journal, error: OSError) -> None:
+    """A manager that cannot journal stops at once, under the replica's lock: it has changed
+    its state and must not answer, or let workers see the step, without the record."""
+    log.critical("cannot write the journal %s (%s); stopping", journal.path, error, exc_info=error)
+    os._exit(75)
 
 
 def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer:
     """Build and start the server; returns once it accepts calls."""
-    config = dataclasses.replace(config, enable_events=True)
-    manager = KVCacheManager(config)
-    incarnation = time.time_ns()  # new at every start, and increasing across restarts
-    servicer = KVManagerServicer(manager, options.replica_id, incarnation, options.limits, options.check_invariants)
-    _secure(servicer, config, options)
-    if options.journal_path is not None:
-        _restore(servicer, config, options)
-    metrics: MetricsServer | None = None
+    replica = build_replica(config, options)
+    if options.tokens is not None and options.tls is None:
+        log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
+    registry = new_registry() if options.metrics_port is not None else None
     interceptors: list[grpc.ServerInterceptor] = []
-    if options.metrics_port is not None:
-        registry = new_registry()
-        registry.register(ManagerCollector(servicer))
+    if registry is not None:
         interceptors.append(RpcMetricsInterceptor(SERVICE, registry, "kvcache"))
-        metrics = start_metrics_server(registry, options.host, options.metrics_port)
     if options.tokens is not None:
         # After the metrics (they count what it refuses), before the parser (a refused request is not parsed).
         interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS))
     interceptors.append(ParseErrorInterceptor())  # last, so the metrics count what it refuses
-    try:
-        running = _start_grpc(config, options, servicer, interceptors)
-    except BaseException:
-        if metrics is not None:
-            metrics.stop()
-        raise
-    running.metrics = metrics
-    if metrics is not None:
-        log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
-    return running
-
-
-def _start_grpc(
-    config: KVCacheConfig,
-    options: ServerOptions,
-    servicer: KVManagerServicer,
-    interceptors: list[grpc.ServerInterceptor],
-) -> RunningServer:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc"),
         interceptors=interceptors,
@@ -170,37 +197,52 @@ def _start_grpc(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_KVManagerServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
     if options.tls is not None:
         port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
     else:
         port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
         raise OSError(f"could not bind {options.host}:{options.port}")
-    server.start()
     address = f"{options.host}:{port}"
-    servicer.address = address
-    if options.redis_url:
-        _start_mirror(servicer, config, options)
+    mirror, cluster = _mirror(replica, address, config, options) if options.redis_url else (None, None)
+    mirror_metrics = mirror.metrics if mirror is not None else None
+    servicer = KVManagerServicer(replica, options.tokens, cluster, mirror_metrics)
+    pb_grpc.add_KVManagerServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    metrics = None
+    if registry is not None:
+        registry.register(ManagerCollector(replica, mirror_metrics, cluster))
+        try:
+            metrics = start_metrics_server(registry, options.host, options.metrics_port)
+        except OSError:
+            server.stop(None)
+            raise
+        log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
+    server.start()
+    if mirror is not None:
+        mirror.start()
+        log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), mirror.schema.namespace)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, servicer, health_servicer, address)
+    return RunningServer(server, replica, servicer, health_servicer, address, mirror, metrics)
 
 
-def _start_mirror(servicer: KVManagerServicer, config: KVCacheConfig, options: ServerOptions) -> None:
-    """Turn the Redis mirror on. Redis may be down now: the writer retries in the background."""
+def _mirror(
+    replica: Replica, address: str, config: KVCacheConfig, options: ServerOptions
+) -> tuple[MirrorWriter, ClusterIndex]:
+    """The Redis mirror's writer (not started) and the cluster lookup. Redis may be down now:
+    the writer retries in the background."""
     try:
         import redis
     except ImportError as e:
         raise ValueError("--redis-url needs the redis package: pip install 'kv-manager-service[redis]'") from e
     from kv_manager_service.mirror.lookup import ClusterIndex
-    from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
     from kv_manager_service.mirror.schema import KeySchema
+    from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 
     # Short timeouts: a slow Redis must not hold a lookup or the writer for long.
     secrets = {} if options.redis_password is None else {"password": options.redis_password}
@@ -208,48 +250,17 @@ def _start_mirror(servicer: KVManagerServicer, config: KVCacheConfig, options: S
         secrets["ssl_ca_certs"] = str(options.redis_tls_ca)
     client = redis.Redis.from_url(options.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, **secrets)
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
-    servicer.mirror = MirrorWriter(
+    writer = MirrorWriter(
         client,
         schema,
-        servicer.replica_id,
-        servicer.incarnation,
-        servicer.events,
-        servicer.cached_snapshot,
-        servicer.lease,
+        replica.replica_id,
+        replica.incarnation,
+        replica.events,
+        replica.cached_snapshot,
+        lambda: replica.lease(address),
         MirrorOptions(lease_ttl_s=options.lease_ttl_s),
     )
-    servicer.cluster = ClusterIndex(client, schema)
-    servicer.mirror.start()
-    log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), schema.namespace)
-
-
-def _secure(servicer: KVManagerServicer, config: KVCacheConfig, options: ServerOptions) -> None:
-    """Who may call (tokens) and, with --multi-tenant, each tenant's scope (see security.py, tenancy.py)."""
-    if options.multi_tenant:
-        if config.hash_algorithm is not HashAlgorithm.SHA256_CBOR:
-            raise ValueError(
-                f"--multi-tenant refuses --hash-algorithm {config.hash_algorithm.value}: it is not collision-resistant, "
-                "so one tenant could craft blocks whose hashes equal another's; use sha256_cbor"
-            )
-        servicer.tenants = Tenancy(options.tenant_secret, options.tokens, options.tenant_quota_blocks)
-    servicer.auth = options.tokens
-    if options.tokens is not None and options.tls is None:
-        log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
-
-
-def _restore(servicer: KVManagerServicer, config: KVCacheConfig, options: ServerOptions) -> None:
-    """Open the journal, replay what it holds into `servicer`, and journal from then on."""
-    journal = Journal.open(options.journal_path, options.replica_id, pool_description(config), options.journal_fsync)
-    started = time.perf_counter()
-    servicer.restore(journal.records)
-    servicer.journal = journal
-    stats = servicer.manager.stats()
-    log.info(
-        "journal %s: restored %d records in %.2fs: step %d, %d live requests, %d pending copies",
-        options.journal_path, len(journal.records), time.perf_counter() - started, servicer.manager.last_step_id,
-        stats.num_requests, stats.num_pending_copies,
-        extra={"journal": str(options.journal_path), "records": len(journal.records)},
-    )  # fmt: skip
+    return writer, ClusterIndex(client, schema)
 
 
 def pool_description(config: KVCacheConfig) -> str:
@@ -284,12 +295,12 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
     log.info(
         "serving replica_id=%s incarnation=%d num_blocks=%d groups=%d",
         options.replica_id,
-        running.servicer.incarnation,
+        running.replica.incarnation,
         config.num_blocks,
         len(config.groups),
         extra={
             "replica_id": options.replica_id,
-            "incarnation": running.servicer.incarnation,
+            "incarnation": running.replica.incarnation,
             "address": running.address,
         },
     )

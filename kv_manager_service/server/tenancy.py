@@ -38,7 +38,7 @@ release of a tenant's copies. A step runs with the budget `quota - blocks`
 the tenant past its quota gets NO_SPACE and changes nothing, as when the
 pool is full, while other tenants go on allocating.
 
-All methods that touch the counts run under the servicer's lock.
+All methods that touch the counts run under the replica's lock.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
-from typing import Iterable, MutableSequence, Sequence
+from typing import Callable, MutableSequence, Sequence
 
 from google.protobuf.message import Message
 
@@ -143,9 +143,10 @@ class Tenancy:
         # `step` drops the salt of a continuation that sent none.
         request.cache_salt = self._salt(tenant, request.cache_salt)
 
-    def own_request_ids(self, tenant: str, live: Iterable[str]) -> list[str]:
+    def owned_by(self, tenant: str) -> Callable[[str], bool]:
+        """Whether an internal request id is `tenant`'s."""
         prefix = tenant + SEPARATOR
-        return [request_id for request_id in live if request_id.startswith(prefix)]
+        return lambda request_id: request_id.startswith(prefix)
 
     def unscope_response(self, tenant: str, response: pb.GetBlockTablesResponse) -> None:
         """A tenant's view of block tables: its own ids, no pool-wide pending copies."""
@@ -173,7 +174,7 @@ class Tenancy:
             error.args = (message,)
         return error
 
-    # -- accounting (the servicer's lock held) -------------------------------------------
+    # -- accounting (the replica's lock held) --------------------------------------------
 
     def step(self, manager: KVCacheManager, ops: Sequence[Op]) -> StepResult:
         """Run one tenant's scoped step with its quota's budget, and count what it changed."""
@@ -182,27 +183,25 @@ class Tenancy:
             return manager.step(ops)
         usage = self._usage(tenant)
         base_salt = self._base_salts.get(tenant)
-        requests = manager.requests
+        live = manager.has_request
         ops = [
             op._replace(cache_salt=None)
-            if type(op) is AllocateOp and op.cache_salt == base_salt and op.request_id in requests
+            if type(op) is AllocateOp and op.cache_salt == base_salt and live(op.request_id)
             else op
             for op in ops
         ]
-        assert all(op.cache_salt for op in ops if type(op) is AllocateOp and op.request_id not in requests), (
+        assert all(op.cache_salt for op in ops if type(op) is AllocateOp and not live(op.request_id)), (
             "an admission without its tenant's salt"
         )
-        pool = manager.pool
-        free_before = pool.get_num_free_blocks()
-        num_requests_before = len(requests)
-        queries_before, hits_before = manager.prefix_cache_queries, manager.prefix_cache_hits
+        before = manager.stats()
         budget = None if usage.quota_blocks is None else usage.quota_blocks - usage.num_blocks
         result = manager.step(ops, max_new_blocks=budget)
-        usage.num_blocks += free_before - pool.get_num_free_blocks()
-        usage.num_requests += len(requests) - num_requests_before
-        usage.prefix_cache_queries += manager.prefix_cache_queries - queries_before
-        usage.prefix_cache_hits += manager.prefix_cache_hits - hits_before
-        if budget is not None and budget < free_before:
+        after = manager.stats()
+        usage.num_blocks += before.num_free_blocks - after.num_free_blocks
+        usage.num_requests += after.num_requests - before.num_requests
+        usage.prefix_cache_queries += after.prefix_cache_queries - before.prefix_cache_queries
+        usage.prefix_cache_hits += after.prefix_cache_hits - before.prefix_cache_hits
+        if budget is not None and budget < before.num_free_blocks:
             usage.num_quota_refusals += sum(
                 1 for r in result.results if type(r) is AllocateResult and r.status is AllocateStatus.NO_SPACE
             )
@@ -222,9 +221,9 @@ class Tenancy:
         owners = self._copy_owners
         num_released = 0
         for copy_step_id in sorted(s for s in owners if s <= step_id):
-            free_before = manager.pool.get_num_free_blocks()
+            free_before = manager.stats().num_free_blocks
             num_released += manager.ack(copy_step_id)
-            self._usage(owners.pop(copy_step_id)).num_blocks -= manager.pool.get_num_free_blocks() - free_before
+            self._usage(owners.pop(copy_step_id)).num_blocks -= manager.stats().num_free_blocks - free_before
         return num_released + manager.ack(step_id)
 
 

@@ -5,7 +5,7 @@ its first, six-block prompt before any thread goes on, and 8 x 6 > 39). At the
 end every request is freed and every step acknowledged, so the pool must be
 empty with no pending copies. The subprocess variant checks that through
 GetStats; the in-process variant also checks the core's invariants, under the
-servicer's lock, while the threads run and at the end.
+replica's lock, while the threads run and at the end.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def test_eight_threads_in_process_with_invariants_checked_under_the_lock():
 
     def check_while_running() -> None:
         while not stop.is_set():
-            with running.servicer.lock:
-                running.servicer.manager.check_invariants()
+            with running.replica.lock:
+                running.replica.manager.check_invariants()
             checks["during"] += 1
             stop.wait(0.002)
 
@@ -144,8 +144,8 @@ def test_eight_threads_in_process_with_invariants_checked_under_the_lock():
         checker.result()  # re-raises an invariant broken mid-run
         assert checks["during"] > 0
         finish_and_check_empty(running.address, seen)
-        with running.servicer.lock:
-            manager = running.servicer.manager
+        with running.replica.lock:
+            manager = running.replica.manager
             manager.check_invariants()
             assert manager.requests == {} and manager.pending_copies() == []
             assert manager.stats().num_free_blocks == NUM_BLOCKS - 1

@@ -487,7 +487,7 @@ def test_check_invariants_turns_a_corrupt_core_into_internal(caplog):
             stub.Allocate(
                 pb.AllocateRequest(request_id="a", token_ids=range(8), num_new_tokens=8), timeout=CALL_TIMEOUT_S
             )
-            running.servicer.manager.pool.blocks[7].ref_cnt += 1  # a block with a holder it does not have
+            running.replica.manager.pool.blocks[7].ref_cnt += 1  # a block with a holder it does not have
             caplog.clear()
             if check:
                 with pytest.raises(grpc.RpcError) as raised:
