@@ -19,8 +19,8 @@ keeps the client in this process, and measures in one run:
    request sets), with the CPU seconds each process spent per Step.
 5. where a 256-op Step's server time goes: the servicer's pipeline run
    in-process without gRPC, phase by phase, on another identical core
-   (proto decode, convert.step_ops, _apply's checks, core step,
-   service._delta, the step-log append, event publishing,
+   (proto decode, convert.step_ops, the replica's checks, core step,
+   convert.step_delta, the step-log append, event publishing,
    convert.decode_results, response assembly, response encode), plus the
    client's own proto work.
 
@@ -49,7 +49,6 @@ import platform
 import random
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -65,12 +64,15 @@ from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
 from bench_stats import Series, fmt
+from process_cpu import cpu_s
 from kv_manager_service import cli
 from kv_manager_service.rpc import convert
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.launch import LaunchedProcess, launch
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig, KVCacheManager
-from kv_manager_service.server.servicer import KVManagerServicer, ServiceLimits
+from kv_manager_service.server.replica import Replica
+from kv_manager_service.server.servicer import KVManagerServicer
 from kvcache.v1 import kv_manager_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,40 +95,16 @@ now_ns = time.perf_counter_ns
 # -- plumbing --------------------------------------------------------------------
 
 
-class Server:
-    """`kv-manager serve --port 0` in a subprocess, as a user starts it."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="rpc_bench_server_", suffix=".log", delete=False)
-        self.argv = [
-            sys.executable, "-m", "kv_manager_service.cli", "serve",
-            "--port", "0", "--num-blocks", str(num_blocks), "--replica-id", "rpc-bench", "--log-level", "WARNING",
-        ]
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        try:
-            self.address = wait_for_ready_line(self.proc, MANAGER_READY_PREFIX, timeout_s=60)
-        except NotReadyError as error:
-            log = Path(self.log.name).read_text()
-            self.stop()
-            raise SystemExit(f"the server did not start ({error}); its log:\n{log}")
-        self.pid = self.proc.pid
-        self._clock_ticks = os.sysconf("SC_CLK_TCK")
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds of the server process, all threads."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / self._clock_ticks
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        os.unlink(self.log.name)
+def start_server(num_blocks: int, directory: Path) -> LaunchedProcess:
+    """`kv-manager serve --port 0` in a subprocess, as a user starts it; its log goes to `directory`."""
+    argv = [
+        sys.executable, "-m", "kv_manager_service.cli", "serve",
+        "--port", "0", "--num-blocks", str(num_blocks), "--replica-id", "rpc-bench", "--log-level", "WARNING",
+    ]  # fmt: skip
+    try:
+        return launch(argv, MANAGER_READY_PREFIX, directory / "server.log", cwd=ROOT)
+    except NotReadyError as error:
+        raise SystemExit(f"the server did not start: {error}") from None
 
 
 def make_client(address: str, own_connection: bool = False) -> KVManagerClient:
@@ -251,9 +229,9 @@ class Results:
 PHASES = (
     ("decode", "proto decode: StepRequest.FromString"),
     ("step_ops", "convert.step_ops: building 256 AllocateOps"),
-    ("checks", "_apply: token/op limits + admitted set"),
-    ("core", "core: KVCacheManager.step"),
-    ("delta", "convert.step_delta: building the StepDelta"),
+    ("checks", "Replica.step: token/op limits + decode ops continue live requests"),
+    ("core", "core: KVCacheManager.step (its StepDelta included)"),
+    ("delta", "convert.step_delta + SerializeToString: the logged StepDelta"),
     ("log", "step log append (BroadcastLog)"),
     ("events", "_publish_events: take_events (converted when sent)"),
     ("decode_results", "convert.decode_results"),
@@ -269,8 +247,9 @@ CLIENT_PHASES = (
 
 
 def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workload, plan: Plan) -> None:
-    """The servicer's Step pipeline (service.Step and _apply, inlined in the same order), phase by phase."""
-    manager = servicer.manager
+    """The servicer's Step pipeline (KVManagerServicer.Step and Replica.step, inlined in order), phase by phase."""
+    replica = servicer.replica
+    manager = replica.manager
     admit = servicer.Step(work.admit_request(), None)
     assert all(r.allocate.status == OK for r in admit.results)
     phase_ns: dict[str, list[int]] = {key: [] for key, _ in PHASES + CLIENT_PHASES}
@@ -283,18 +262,17 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
         ops = convert.step_ops(request)
         t2 = now_ns()
         num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
-        assert num_tokens <= servicer.limits.max_tokens_per_call and len(ops) <= servicer.limits.max_ops_per_step
-        with servicer.lock:
-            requests = manager.requests
-            admitted = {op.request_id for op in ops if type(op) is AllocateOp and op.request_id not in requests}
+        assert num_tokens <= replica.limits.max_tokens_per_call and len(ops) <= replica.limits.max_ops_per_step
+        with replica.lock:
+            assert all(manager.has_request(op.request_id) for op in ops)
             t3 = now_ns()
             result = manager.step(ops)
             t4 = now_ns()
-            delta = convert.step_delta(ops, result, admitted, {})
+            delta = convert.step_delta(result.delta).SerializeToString()
             t5 = now_ns()
-            servicer.steps.append(delta)
+            replica.steps.append(delta)
             t6 = now_ns()
-            servicer._publish_events()
+            replica._publish_events()
             t7 = now_ns()
         num_nested = len(request.ops)
         decode = convert.decode_results(result.results[num_nested:])
@@ -396,7 +374,7 @@ def throughput(clients: Sequence[KVManagerClient], works: Sequence[Workload], st
 def run_round(
     index: int,
     plan: Plan,
-    server: Server,
+    server: LaunchedProcess,
     client: KVManagerClient,
     client2: KVManagerClient,
     manager: KVCacheManager,
@@ -415,10 +393,10 @@ def run_round(
 
     # 1. the empty-RPC floor
     stats_request = pb.GetStatsRequest()
-    server_cpu, client_cpu = server.cpu_s(), time.process_time()
+    server_cpu, client_cpu = cpu_s(server.pid), time.process_time()
     floor = timed_calls(lambda i: stub.GetStats(stats_request, timeout=10), lambda r: None, warmup, plan.floor_calls)
     calls = warmup + plan.floor_calls
-    results.get("floor_server_cpu_ms").add_value((server.cpu_s() - server_cpu) / calls * 1e3)
+    results.get("floor_server_cpu_ms").add_value((cpu_s(server.pid) - server_cpu) / calls * 1e3)
     results.get("floor_client_cpu_ms").add_value((time.process_time() - client_cpu) / calls * 1e3)
     results.get("floor").add_samples(floor)
 
@@ -486,9 +464,9 @@ def run_round(
     results.get("over_floor").add_value(raw256_p50 - results.get("floor").p50[-1])
 
     # 4. throughput, with CPU per Step of each process
-    server_cpu, client_cpu = server.cpu_s(), time.process_time()
+    server_cpu, client_cpu = cpu_s(server.pid), time.process_time()
     rate, wall = throughput([client], [w256], plan.throughput_steps)
-    server_cpu, client_cpu = server.cpu_s() - server_cpu, time.process_time() - client_cpu
+    server_cpu, client_cpu = cpu_s(server.pid) - server_cpu, time.process_time() - client_cpu
     results.get("tput1").add_value(rate)
     results.get("tput1_step_ms").add_value(wall / plan.throughput_steps * 1e3)
     results.get("server_cpu_ms").add_value(server_cpu / plan.throughput_steps * 1e3)
@@ -507,12 +485,12 @@ def run_round(
 # Categories of py-spy stacks, first match wins (a frame anywhere in the stack).
 PROFILE_CATEGORIES = (
     ("events", "event publishing (_publish_events, convert.kv_event)", ("_publish_events (",)),
-    ("delta", "service._delta (building the StepDelta)", ("._delta (kv_manager_service/server/servicer.py",)),
+    ("delta", "convert.step_delta (the logged StepDelta)", ("step_delta (kv_manager_service/rpc/convert.py",)),
     ("log", "step log append", ("(kv_manager_service/server/broadcast_log.py",)),
     ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
     ("step_ops", "convert.step_ops (building AllocateOps)", ("step_ops (", "step_ops.<locals>")),
     ("decode_results", "convert.decode_results", ("decode_results (", "decode_results.<locals>")),
-    ("apply", "service._apply, rest (limits, admitted set, lock)", ("._apply (", "._apply.<locals>")),
+    ("apply", "Replica.step, rest (limits, live-request checks, lock)", ("Replica.step (",)),
     ("step", "service.Step, rest (StepResponse, CopyFrom)", ("KVManagerServicer.Step (",)),
     ("proto_decode", "proto decode (grpc deserialize -> FromString)", ("deserialize (grpc/_common.py",)),
     ("proto_encode", "response encode (grpc serialize -> SerializeToString)", ("serialize (grpc/_common.py",)),
@@ -542,7 +520,7 @@ def categorize(raw: str) -> dict[str, int]:
 
 
 def profile_server(
-    server: Server, client: KVManagerClient, plan: Plan, path: Path, gil_only: bool, rate: int, nonblocking: bool
+    server: LaunchedProcess, client: KVManagerClient, plan: Plan, path: Path, gil_only: bool, rate: int, nonblocking: bool
 ) -> list[str]:
     """py-spy on the server during back-to-back 256-op Steps; a table of samples by category."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
@@ -565,11 +543,11 @@ def profile_server(
     argv += [f for f in flags if not f.startswith("--rate")]
     spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # attach
-    steps, cpu0, start = 0, server.cpu_s(), now_ns()
+    steps, cpu0, start = 0, cpu_s(server.pid), now_ns()
     while spy.poll() is None and steps < max_steps:
         stub.Step(work.decode_requests[steps % NUM_PREBUILT], timeout=10)
         steps += 1
-    wall, cpu = (now_ns() - start) / 1e9, server.cpu_s() - cpu0
+    wall, cpu = (now_ns() - start) / 1e9, cpu_s(server.pid) - cpu0
     _, err = spy.communicate(timeout=60)
     client.free(work.request_ids)
     if spy.returncode != 0 or not path.exists():
@@ -670,7 +648,7 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
         "",
         "## Where a 256-op decode Step's time goes (servicer pipeline in-process, no gRPC)",
         "",
-        "service.Step / _apply inlined phase by phase on another identical core, fed the same serialized",
+        "KVManagerServicer.Step / Replica.step inlined phase by phase on another identical core, fed the same serialized",
         "request bytes; the client rows are client.decode's own proto work on the same bytes. p50 and mean",
         "over the round's Steps (1 in 16 Steps fills a block in every request: delta, events and",
         "decode_results grow there), medians over rounds.",
@@ -729,13 +707,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_s=args.profile_seconds or (3 if quick else 8),
     )
     started = now_ns()
-    server = Server(plan.num_blocks)
+    log_directory = tempfile.TemporaryDirectory(prefix="rpc_bench_")
+    server = start_server(plan.num_blocks, Path(log_directory.name))
     try:
         client = make_client(server.address)
         client2 = make_client(server.address, own_connection=True)
         config = server_config(plan.num_blocks)
         manager = KVCacheManager(config)
-        servicer = KVManagerServicer(KVCacheManager(config), "rpc-bench", 1, ServiceLimits())
+        servicer = KVManagerServicer(Replica(KVCacheManager(config), "rpc-bench", 1))
         results = Results()
         for index in range(plan.rounds):
             round_start = now_ns()
@@ -751,9 +730,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.close()
         client2.close()
     finally:
-        server.stop()
+        server.stop(timeout_s=15)
+        log_directory.cleanup()
     command = shlex.join(["python", *sys.argv])
-    print("\n".join(render(results, plan, command, (now_ns() - started) / 1e9, server.argv) + profile_lines))
+    print("\n".join(render(results, plan, command, (now_ns() - started) / 1e9, server.args) + profile_lines))
     return 0
 
 

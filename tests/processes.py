@@ -1,46 +1,81 @@
 """Real server processes for tests, started as a user starts them (`kv_manager_service.rpc.launch`).
 
-Each must exit 0 within a few seconds of SIGTERM (graceful shutdown), with no
-traceback in its log.
+A server that does not start fails the test with its log. Each must exit 0
+within a few seconds of SIGTERM (graceful shutdown), with no traceback in
+its log; one the test killed on purpose (`LaunchedProcess.kill`) is exempt
+from the exit code only.
 """
 
 from __future__ import annotations
 
 import json
-import socket
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from kv_manager_service.rpc import launch as launcher
 from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.launch import free_port  # noqa: F401 - the tests take it from here, with the rest
 from kv_manager_service.rpc.ready_line import NotReadyError
+
+if TYPE_CHECKING:
+    import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 SHUTDOWN_TIMEOUT_S = 8.0  # the servers' own grace is 5 s; streams end at once
 
 
-
-def launch(argv: Sequence[str], ready_prefix: str, log_path: Path, env: Mapping[str, str] | None = None) -> LaunchedProcess:
-    """Start a server from the repository root; a start that fails is a test failure with the log."""
+@contextmanager
+def _start_failure_fails_the_test() -> Iterator[None]:
     try:
-        return launcher.launch(argv, ready_prefix, log_path, cwd=ROOT, env=env)
+        yield
     except NotReadyError as error:
         raise AssertionError(str(error)) from None
 
 
-def check_clean_exit(process: LaunchedProcess) -> None:
-    code = process.stop(SHUTDOWN_TIMEOUT_S)
+def launch(argv: Sequence[str], ready_prefix: str, log_path: Path, env: Mapping[str, str] | None = None) -> LaunchedProcess:
+    """Start a server from the repository root and wait for its ready line."""
+    return launch_many([argv], ready_prefix, [log_path], env)[0]
+
+
+def launch_many(
+    argvs: Sequence[Sequence[str]], ready_prefix: str, log_paths: Sequence[Path], env: Mapping[str, str] | None = None
+) -> list[LaunchedProcess]:
+    """Start several servers from the repository root at once, then wait for each ready line."""
+    with _start_failure_fails_the_test():
+        return launcher.launch_many(argvs, ready_prefix, log_paths, cwd=ROOT, env=env)
+
+
+def launch_until_ready(
+    argv: Sequence[str], is_ready: Callable[[], bool], address: str, log_path: Path, cwd: Path, timeout_s: float
+) -> LaunchedProcess:
+    """Start a server that prints no ready line of ours; it is ready once `is_ready()` is true."""
+    with _start_failure_fails_the_test():
+        return launcher.launch_until_ready(argv, is_ready, address, log_path, cwd=cwd, timeout_s=timeout_s)
+
+
+def launch_redis(
+    port: int, log_path: Path, extra_args: Sequence[str] = (), tls: bool = False, ping_client: redis.Redis | None = None
+) -> LaunchedProcess:
+    """A redis-server without persistence on 127.0.0.1:`port` (see `launcher.launch_redis`)."""
+    with _start_failure_fails_the_test():
+        return launcher.launch_redis(port, log_path, extra_args, tls=tls, ping_client=ping_client)
+
+
+def check_clean_exit(process: LaunchedProcess, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    code = process.stop(timeout_s)
     log = process.log()
-    assert code == 0, f"{process.args} exited {code} after SIGTERM (graceful shutdown expected)\n{log}"
+    if not process.killed:
+        assert code == 0, f"{process.args} exited {code} after SIGTERM (graceful shutdown expected)\n{log}"
     assert "bug in" not in log and "Traceback" not in log, f"{process.args} logged an internal error:\n{log}"
 
 
-def stop_all(processes: Sequence[LaunchedProcess]) -> list[str]:
+def stop_all(processes: Sequence[LaunchedProcess], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> list[str]:
     """Stop every process, last started first; the failures of their exit checks."""
     failures = []
     for process in reversed(processes):
         try:
-            check_clean_exit(process)
+            check_clean_exit(process, timeout_s)
         except AssertionError as error:
             failures.append(str(error))
     return failures
@@ -55,10 +90,3 @@ def log_records(process: LaunchedProcess) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             raise AssertionError(f"stderr line {number} is not JSON: {line!r}") from None
     return records
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback now (for a server that must keep its port across restarts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

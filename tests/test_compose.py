@@ -19,7 +19,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from compose_support import (
     start_order,
     with_flag,
 )
-from processes import launch, stop_all
+from processes import launch, launch_until_ready, stop_all
 
 from gpu_worker.cli import build_parser
 from kv_manager_service.cli import make_parser
@@ -261,20 +260,14 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
 
 def start_redis(plan: LocalPlan, name: str, directory: Path) -> LaunchedProcess:
     """redis-server has no ready line: it is ready when its healthcheck passes, as for compose."""
-    argv = plan.command(name)
-    log_path = directory / f"{name}.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            argv, cwd=directory, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    started = LaunchedProcess(process, plan.address(name, listen_ports(SERVICES[name])[0]), log_path, argv)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while healthcheck(plan, name).returncode != 0:
-        if process.poll() is not None or time.monotonic() > deadline:
-            started.stop()
-            raise AssertionError(f"{argv} did not become healthy:\n{started.log()}")
-        time.sleep(0.05)
-    return started
+    return launch_until_ready(
+        plan.command(name),
+        lambda: healthcheck(plan, name).returncode == 0,
+        plan.address(name, listen_ports(SERVICES[name])[0]),
+        directory / f"{name}.log",
+        cwd=directory,
+        timeout_s=READY_TIMEOUT_S,
+    )
 
 
 def healthcheck(plan: LocalPlan, name: str) -> subprocess.CompletedProcess:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from processes import launch
 
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -45,28 +46,13 @@ def node_example() -> Path:
 @pytest.fixture
 def manager(tmp_path):
     """A real `kv-manager serve --port 0` subprocess; yields its HOST:PORT, always stopped."""
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "kv_manager_service.cli", "serve",
-                "--port", "0", "--num-blocks", str(NUM_BLOCKS), "--replica-id", REPLICA_ID,
-            ],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-        )  # fmt: skip
+    argv = [sys.executable, "-m", "kv_manager_service.cli", "serve",
+            "--port", "0", "--num-blocks", str(NUM_BLOCKS), "--replica-id", REPLICA_ID]  # fmt: skip
+    process = launch(argv, MANAGER_READY_PREFIX, tmp_path / "server.log")
     try:
-        try:
-            address = wait_for_ready_line(proc, MANAGER_READY_PREFIX, timeout_s=60)
-        except NotReadyError as error:
-            pytest.fail(f"the server is not ready: {error}; its log:\n{log_path.read_text()}")
-        yield address
+        yield process.address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        process.stop()
 
 
 def tables_from_step_log(stub, last_step_id: int) -> tuple[dict[str, dict[int, list[int]]], list[str]]:

@@ -1,21 +1,38 @@
-"""Start a server as a child process and wait for its ready line; stop it with SIGTERM.
+"""Start a server as a child process and wait until it serves; stop it with SIGTERM, or kill it.
 
-Used by everything that runs the services as local processes: the demo, the
-benchmarks and the tests.
+Used by everything that runs servers as local processes: the demo, the
+benchmarks and the tests. Our servers announce themselves with a ready line
+on stdout (`launch`, `launch_many`); a server that prints no line of ours,
+such as `redis-server`, is ready once a probe says so (`launch_until_ready`,
+`launch_redis`).
 """
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
+import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
 from kv_manager_service.rpc.ready_line import NotReadyError, wait_for_ready_line
 
+if TYPE_CHECKING:
+    import redis
+
+PROBE_INTERVAL_S = 0.02
+LOG_TAIL_CHARS = 4000
+
 
 class LaunchedProcess:
-    """One running server subprocess, its address, and its log file (stderr)."""
+    """One running server subprocess, its address, and its log file.
+
+    `returncode` is set once the process has been stopped or killed through
+    this object; `killed` says it was killed on purpose (`kill`), so that a
+    check of its exit code can tell a crash the caller caused from a failed
+    shutdown.
+    """
 
     def __init__(self, process: subprocess.Popen, address: str, log_path: Path, args: list[str]) -> None:
         self.process = process
@@ -23,6 +40,15 @@ class LaunchedProcess:
         self.log_path = log_path
         self.args = args
         self.returncode: int | None = None
+        self.killed = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
 
     def log(self) -> str:
         try:
@@ -31,7 +57,10 @@ class LaunchedProcess:
             return ""
 
     def stop(self, timeout_s: float = 8.0) -> int:
-        """SIGTERM, then wait for the exit code; SIGKILL (code -9) if it takes longer than `timeout_s`."""
+        """SIGTERM, then wait for the exit code; SIGKILL (code -9) if it takes longer than `timeout_s`.
+
+        Once stopped or killed, returns the code it had then.
+        """
         if self.returncode is not None:
             return self.returncode
         if self.process.poll() is None:
@@ -39,12 +68,19 @@ class LaunchedProcess:
         try:
             self.returncode = self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.returncode = -9
+            _kill(self.process)
+            self.returncode = -signal.SIGKILL
         finally:
-            if self.process.stdout is not None:
-                self.process.stdout.close()
+            _close_stdout(self.process)
+        return self.returncode
+
+    def kill(self) -> int:
+        """SIGKILL now, as a crash would (no graceful shutdown); marks the process `killed`."""
+        self.killed = True
+        if self.returncode is None:
+            _kill(self.process)
+            self.returncode = self.process.returncode
+            _close_stdout(self.process)
         return self.returncode
 
 
@@ -61,18 +97,145 @@ def launch(
     Raises NotReadyError, with the log's tail, when the process exits or stays
     silent past `timeout_s`; the process is killed then.
     """
-    argv = list(argv)
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL, env=env)
+    return launch_many([argv], ready_prefix, [log_path], cwd, env, timeout_s)[0]
+
+
+def launch_many(
+    argvs: Sequence[Sequence[str]],
+    ready_prefix: str,
+    log_paths: Sequence[Path],
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 60.0,
+) -> list[LaunchedProcess]:
+    """Start every command at once (their start-up work overlaps), then wait for each one's ready line, in order.
+
+    `log_paths[i]` receives the stderr of `argvs[i]`. Raises NotReadyError,
+    with the failing one's log tail, when one exits or stays silent past
+    `timeout_s`; every process of the call is killed then.
+    """
+    assert len(argvs) == len(log_paths), "one log path per command"
+    commands = [(list(argv), log_path) for argv, log_path in zip(argvs, log_paths)]
+    processes: list[subprocess.Popen] = []
     try:
-        address = wait_for_ready_line(process, ready_prefix, timeout_s)
+        for argv, log_path in commands:
+            processes.append(_spawn(argv, log_path, cwd, env, stdout=subprocess.PIPE))
+        launched = []
+        for process, (argv, log_path) in zip(processes, commands):
+            try:
+                address = wait_for_ready_line(process, ready_prefix, timeout_s)
+            except NotReadyError as error:
+                raise NotReadyError(_with_log_tail(argv, error, log_path)) from None
+            launched.append(LaunchedProcess(process, address, log_path, argv))
+        return launched
+    except BaseException:
+        for process in processes:
+            _kill(process)
+            _close_stdout(process)
+        raise
+
+
+def launch_until_ready(
+    argv: Sequence[str],
+    is_ready: Callable[[], bool],
+    address: str,
+    log_path: Path,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> LaunchedProcess:
+    """Start `argv` (stdout and stderr to `log_path`) and call `is_ready()` until it is true.
+
+    For a server that prints no ready line of ours: `address` is where it
+    listens, `is_ready` must return False (not raise) while it does not serve
+    yet. Raises NotReadyError, with the log's tail, when the process exits or
+    is not ready past `timeout_s`; the process is killed then.
+    """
+    argv = list(argv)
+    process = _spawn(argv, log_path, cwd, env, stdout=None)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not is_ready():
+            if process.poll() is not None:
+                raise NotReadyError(f"exited with code {process.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise NotReadyError(f"not ready within {timeout_s:g}s")
+            time.sleep(PROBE_INTERVAL_S)
     except BaseException as error:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=10)
-        process.stdout.close()
+        _kill(process)
         if isinstance(error, NotReadyError):
-            tail = log_path.read_text(errors="replace")[-4000:]
-            raise NotReadyError(f"{' '.join(argv)}: {error}\n{tail}") from None
+            raise NotReadyError(_with_log_tail(argv, error, log_path)) from None
         raise
     return LaunchedProcess(process, address, log_path, argv)
+
+
+def launch_redis(
+    port: int,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    *,
+    tls: bool = False,
+    ping_client: redis.Redis | None = None,
+    binary: str = "redis-server",
+    timeout_s: float = 10.0,
+) -> LaunchedProcess:
+    """`redis-server` on 127.0.0.1:`port` without persistence, ready once it answers PING.
+
+    Nothing is saved, so a SIGKILL loses every key, as a crashed cache would.
+    With `tls`, `port` is the TLS port and the plain one is off: `extra_args`
+    then hold the certificate flags. `extra_args` come last (AUTH, TLS,
+    cluster mode...). `ping_client` is the connection that must get the
+    answer (give one for AUTH or TLS; it is left open); by default a plain
+    connection to `port`. Working files go beside `log_path`. Raises
+    NotReadyError like `launch_until_ready`.
+    """
+    import redis  # the optional `redis` extra: only a Redis launch needs it
+
+    ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
+    argv = [binary, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(log_path.parent), *extra_args]  # fmt: skip
+    client = ping_client or redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+    def answers_ping() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    try:
+        return launch_until_ready(argv, answers_ping, f"127.0.0.1:{port}", log_path, timeout_s=timeout_s)
+    finally:
+        if ping_client is None:
+            client.close()
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a server that must keep its port across restarts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(
+    argv: list[str], log_path: Path, cwd: Path | None, env: Mapping[str, str] | None, stdout: int | None
+) -> subprocess.Popen:
+    """`argv` with stderr to `log_path`; stdout to `stdout` (a pipe), or to the log as well when None."""
+    with open(log_path, "wb") as log_file:
+        out: int | IO[bytes] = log_file if stdout is None else stdout
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=log_file)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def _close_stdout(process: subprocess.Popen) -> None:
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+def _with_log_tail(argv: list[str], error: NotReadyError, log_path: Path) -> str:
+    tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+    return f"{' '.join(argv)}: {error}\n{tail}"

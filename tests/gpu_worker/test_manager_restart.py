@@ -10,7 +10,6 @@ those of an uninterrupted run, and those of the dense pass.
 from __future__ import annotations
 
 import random
-import signal
 import sys
 import threading
 import time
@@ -60,10 +59,7 @@ def test_a_manager_killed_mid_generation_resumes_from_its_journal(tmp_path):
         def kill_and_restart() -> None:
             time.sleep(0.01)  # lands inside the scheduler's next Step or Execute
             victim = processes[0]
-            victim.process.send_signal(signal.SIGKILL)
-            victim.process.wait(timeout=10)
-            victim.returncode = 0
-            victim.process.stdout.close()
+            victim.kill()
             killed.set()
             time.sleep(0.3)  # the scheduler's calls fail meanwhile, and are retried
             processes[0:1] = [victim, launch(manager_argv, MANAGER_READY_PREFIX, tmp_path / "manager-1.log")]

@@ -4,7 +4,8 @@
 127.0.0.1` on a free port; the test may SIGKILL it (`.kill()`) and start it
 again on the same port (`.restart()`). `replicas` starts `python -m
 kv_manager_service.cli serve ...` processes; every one is terminated at
-teardown, and those the test did not kill must exit 0 without a traceback.
+teardown: those the test did not kill must exit 0, and none may log a
+traceback.
 
 The only reason to skip is a missing `redis-server` binary (CI installs it).
 """

@@ -3,7 +3,8 @@
 Nothing here fakes Redis: `RedisServer` runs the `redis-server` binary on a
 free port (no persistence, so a SIGKILL loses everything, as a crashed
 cache would), and `ReplicaFactory` starts `kv-manager serve` subprocesses
-exactly as a user would, reading stdout until the ready line.
+exactly as a user would, reading stdout until the ready line. Both start
+their processes with `kv_manager_service.rpc.launch` (through `processes`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,18 +23,18 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import grpc
 import redis
 
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError, wait_for_ready_line
+from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
 from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm
 from kv_manager_service.mirror.schema import KeySchema
 from kvcache.v1 import kv_manager_pb2 as pb
-from processes import free_port
+from processes import free_port, launch_many, launch_redis, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 REDIS_SERVER = shutil.which("redis-server")
 
-START_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0  # the server's grace is 5 s; the mirror's stop adds little
 CALL_TIMEOUT_S = 10.0
 BLOCK_SIZE = 16
@@ -78,69 +78,74 @@ def wait_until(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: flo
 
 
 class RedisServer:
-    """One redis-server process on a fixed port; kill (SIGKILL) and restart on the same port."""
+    """One redis-server on a fixed port; kill (SIGKILL), restart on the same port, pause (SIGSTOP) and resume.
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    `extra_args` go to redis-server (AUTH, TLS flags); with `tls`, the port is
+    its TLS port. `client_kwargs` are what a client needs to get in
+    (password, ssl...): `client()` connects with them, as a user would.
+    """
+
+    def __init__(
+        self, directory: Path, port: int | None = None, extra_args: Sequence[str] = (), tls: bool = False,
+        **client_kwargs: object,
+    ) -> None:  # fmt: skip
         assert REDIS_SERVER is not None
         self.directory = directory
         self.port = port or free_port()
-        self.process: subprocess.Popen | None = None
+        self.extra_args = list(extra_args)
+        self.tls = tls
+        self.client_kwargs = client_kwargs
+        self.process: LaunchedProcess | None = None
         self.num_starts = 0
 
     @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.address}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.running
 
     def start(self) -> None:
-        assert self.process is None or self.process.poll() is not None, "already running"
+        assert not self.running, "already running"
         log_path = self.directory / f"redis-{self.port}-{self.num_starts}.log"
         self.num_starts += 1
-        argv = [
-            REDIS_SERVER, "--port", str(self.port), "--save", "", "--appendonly", "no",
-            "--bind", "127.0.0.1", "--dir", str(self.directory),
-        ]
-        with open(log_path, "wb") as log_file:
-            self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         client = self.client()
-        deadline = time.monotonic() + 10.0
-        while True:
-            if self.process.poll() is not None:
-                raise AssertionError(f"redis-server exited {self.process.returncode}:\n{log_path.read_text()}")
-            try:
-                if client.ping():
-                    break
-            except redis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"redis-server on port {self.port} did not answer PING\n{log_path.read_text()}")
-            time.sleep(0.02)
-        client.close()
+        try:
+            self.process = launch_redis(self.port, log_path, self.extra_args, self.tls, client)
+        finally:
+            client.close()
 
     def kill(self) -> None:
         """SIGKILL: the data is gone (no persistence), connections drop."""
-        assert self.process is not None and self.process.poll() is None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
+        assert self.running
+        self.process.kill()
 
     def restart(self) -> None:
         self.start()
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open but nothing is answered (a Redis that is stuck, not gone)."""
-        assert self.process is not None and self.process.poll() is None
-        self.process.send_signal(signal.SIGSTOP)
+        assert self.running
+        self.process.process.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
+        if self.running:
+            self.process.process.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+        if self.running:
+            self.process.kill()
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, db=0, socket_timeout=5.0, socket_connect_timeout=5.0)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, db=0, socket_timeout=5.0, socket_connect_timeout=5.0,
+            **self.client_kwargs,
+        )  # fmt: skip
 
 
 def replica_block_set(client: redis.Redis, ns: str, replica_id: str, incarnation: int, group_id: int = 0) -> set[bytes]:
@@ -187,22 +192,15 @@ def all_redis_blobs(client: redis.Redis) -> dict[bytes, list[bytes]]:
 class Replica:
     """One running `kv-manager serve` subprocess and a client to it."""
 
-    def __init__(self, process: subprocess.Popen, address: str, log_path: Path, argv: list[str], replica_id: str) -> None:
+    def __init__(self, process: LaunchedProcess, replica_id: str) -> None:
         self.process = process
-        self.address = address
-        self.log_path = log_path
-        self.argv = argv
+        self.address = process.address
         self.replica_id = replica_id
-        self.client = KVManagerClient(address, timeout_s=CALL_TIMEOUT_S)
-        self.killed = False
-        self.returncode: int | None = None
+        self.client = KVManagerClient(self.address, timeout_s=CALL_TIMEOUT_S)
         self.incarnation = self.client.get_config().incarnation
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
+        return self.process.log()
 
     def stats(self) -> pb.GetStatsResponse:
         return self.client.stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT_S)
@@ -221,37 +219,22 @@ class Replica:
         self.client.free([request_id])
 
     def kill(self) -> None:
-        self.killed = True
-        self.process.send_signal(signal.SIGKILL)
-        self.returncode = self.process.wait(timeout=10)
+        self.process.kill()
         self.client.close()
 
     def stop(self) -> int:
-        """SIGTERM, then wait for the exit (killed if it hangs)."""
-        if self.returncode is not None:
-            return self.returncode
+        """SIGTERM, then wait for the exit code (-9: killed because it hung)."""
         self.client.close()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.returncode = self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-            self.returncode = -9
-            raise AssertionError(f"replica {self.replica_id} did not exit within {SHUTDOWN_TIMEOUT_S}s of SIGTERM\n{self.log()}")
-        finally:
-            if self.process.stdout is not None:
-                self.process.stdout.close()
-        return self.returncode
+        return self.process.stop(SHUTDOWN_TIMEOUT_S)
 
 
 class ReplicaFactory:
-    """Starts replicas; `close` stops every one and checks the survivors exited 0 without a traceback."""
+    """Starts replicas; `close` stops every one and checks the survivors exited 0 and none logged a traceback."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.replicas: list[Replica] = []
+        self._processes: list[LaunchedProcess] = []  # every one started, in order: stopped even if its Replica failed
         self._count = 0
 
     def argv(
@@ -285,7 +268,7 @@ class ReplicaFactory:
         num_blocks, model_name, extra, or config (a pool config dict, instead of
         --num-blocks and --block-size).
         """
-        launched = []
+        argvs, log_paths = [], []
         for spec in specs:
             replica_id = spec["replica_id"]
             extra = list(spec.get("extra", ()))
@@ -296,52 +279,23 @@ class ReplicaFactory:
                 i = argv.index("--num-blocks")
                 del argv[i : i + 4]
                 argv += ["--config", str(path)]
-            log_path = self.directory / f"replica-{self._count}-{replica_id}.log"
+            argvs.append(argv)
+            log_paths.append(self.directory / f"replica-{self._count}-{replica_id}.log")
             self._count += 1
-            with open(log_path, "wb") as log_file:
-                process = subprocess.Popen(
-                    argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL
-                )
-            launched.append((process, log_path, argv, replica_id))
-        started = []
-        try:
-            for process, log_path, argv, replica_id in launched:
-                address = _read_ready_line(process, log_path, argv)
-                replica = Replica(process, address, log_path, argv, replica_id)
-                self.replicas.append(replica)
-                started.append(replica)
-        except BaseException:
-            for process, *_ in launched:
-                if process.poll() is None and not any(r.process is process for r in self.replicas):
-                    process.kill()
-                    process.wait(timeout=10)
-            raise
-        return started
+        processes = launch_many(argvs, MANAGER_READY_PREFIX, log_paths)
+        self._processes.extend(processes)
+        for process, spec in zip(processes, specs):
+            self.replicas.append(Replica(process, spec["replica_id"]))
+        return self.replicas[-len(specs) :]
 
     def close(self) -> list[str]:
-        failures = []
+        """Stop every replica; the failures of their exit checks."""
         for replica in self.replicas:
-            try:
-                code = replica.stop()
-            except AssertionError as error:
-                failures.append(str(error))
-                continue
-            if replica.killed:
-                continue
-            log = replica.log()
-            if code != 0:
-                failures.append(f"replica {replica.replica_id} exited {code} after SIGTERM\n{log}")
-            elif "Traceback" in log or "bug in" in log:
-                failures.append(f"replica {replica.replica_id} logged an internal error:\n{log}")
+            replica.client.close()
+        failures = stop_all(self._processes, SHUTDOWN_TIMEOUT_S)
         self.replicas.clear()
+        self._processes.clear()
         return failures
-
-
-def _read_ready_line(process: subprocess.Popen, log_path: Path, args: list[str]) -> str:
-    try:
-        return wait_for_ready_line(process, MANAGER_READY_PREFIX, START_TIMEOUT_S)
-    except NotReadyError as error:
-        raise AssertionError(f"{args}: {error}\n{log_path.read_text(errors='replace')}") from None
 
 
 # -- the replica's own view: events -------------------------------------------------

@@ -15,21 +15,18 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import pytest
-import redis
 from certs import Certs, make_certs
 from mirror_support import (
     BLOCK_SIZE,
     CONVERGE_TIMEOUT_S,
     LEASE_TTL_S,
-    REDIS_SERVER,
     ROOT,
+    RedisServer,
     all_redis_blobs,
-    free_port,
     namespace,
     prompt,
     wait_until,
@@ -52,50 +49,6 @@ def write_private(path: Path, text: str) -> Path:
     return path
 
 
-class ConfiguredRedis:
-    """A redis-server on a free port with extra flags (AUTH, TLS); `client()` connects as a user would."""
-
-    def __init__(self, directory: Path, args: Sequence[str], tls: bool = False, **client_kwargs: object) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.tls = tls
-        self.args = list(args)
-        self.client_kwargs = client_kwargs
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
-        argv = [REDIS_SERVER, *ports, "--save", "", "--appendonly", "no", "--bind", "127.0.0.1",
-                "--dir", str(self.directory), *self.args]  # fmt: skip
-        log_path = self.directory / f"redis-{self.port}.log"
-        with open(log_path, "wb") as log_file:
-            self.process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        client = self.client()
-        deadline = time.monotonic() + 10.0
-        while True:
-            assert self.process.poll() is None, f"redis-server exited:\n{log_path.read_text()}"
-            try:
-                if client.ping():
-                    break
-            except redis.RedisError:
-                pass
-            assert time.monotonic() < deadline, f"redis-server on {self.address} did not answer\n{log_path.read_text()}"
-            time.sleep(0.05)
-        client.close()
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5.0, **self.client_kwargs)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_certs(tmp_path_factory.mktemp("certs"))
@@ -115,7 +68,7 @@ def assert_serves_without_the_mirror(replica, seed: int) -> None:
 
 
 def test_the_mirror_authenticates_to_redis_and_a_wrong_password_fails_visibly(tmp_path, redis_factory, replicas):
-    server = ConfiguredRedis(tmp_path, ["--requirepass", PASSWORD], password=PASSWORD)
+    server = RedisServer(tmp_path, extra_args=["--requirepass", PASSWORD], password=PASSWORD)
     redis_factory.append(server)
     server.start()
     password_file = write_private(tmp_path / "redis-password", PASSWORD + "\n")
@@ -152,7 +105,7 @@ def test_the_mirror_authenticates_to_redis_and_a_wrong_password_fails_visibly(tm
 def test_the_mirror_over_tls_and_a_plaintext_client_fails_visibly(tmp_path, redis_factory, replicas, certs):
     tls_args = ["--tls-cert-file", str(certs.server_cert), "--tls-key-file", str(certs.server_key),
                 "--tls-ca-cert-file", str(certs.ca), "--tls-auth-clients", "no", "--requirepass", PASSWORD]  # fmt: skip
-    server = ConfiguredRedis(tmp_path, tls_args, tls=True, ssl=True, ssl_ca_certs=str(certs.ca), password=PASSWORD)
+    server = RedisServer(tmp_path, extra_args=tls_args, tls=True, ssl=True, ssl_ca_certs=str(certs.ca), password=PASSWORD)
     redis_factory.append(server)
     server.start()
     password_file = write_private(tmp_path / "redis-password", PASSWORD)

@@ -1,0 +1,12 @@
+"""The CPU time a process has used, read from /proc (Linux), for per-Step CPU figures of server processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
