@@ -3,11 +3,12 @@
 Starts `python -m kv_manager_service.cli serve --port 0` as a user would,
 then runs N schedulers, each in its own process with its own
 `KVManagerClient` (processes, so the load generator shares no GIL). The
-schedulers are `tests/soak_load.py`'s, the soak test's load: Mooncake
-prompts (scaled with `--scale`), decoded for their output lengths in
-columnar `Step`s (`client.decode`), admissions, frees and forks as nested
-ops, preemption on NO_SPACE, aborts, and `AckSteps` from one fake worker id
-so copy-on-write sources are released. At the deadline each scheduler frees
+schedulers are `reference_scheduler.soak`'s, the soak test's load: the
+reference scheduler's loop on Mooncake prompts (scaled with `--scale`),
+decoded for their output lengths in columnar `Step`s (`client.decode`),
+admissions and frees as nested ops, forks, preemption on NO_SPACE, aborts,
+and `AckSteps` from one fake worker id so copy-on-write sources are
+released. At the deadline each scheduler frees
 everything it holds; the bench then acknowledges every step and reads the
 pool.
 
@@ -53,24 +54,22 @@ from typing import Any, Sequence
 import grpc
 
 from bench_stats import fmt, percentile
+from process_cpu import cpu_s
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.launch import LaunchedProcess, launch
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kvcache.v1 import kv_manager_pb2 as pb
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the load generator is the soak test's
-
-from soak_load import (  # noqa: E402
+from reference_scheduler.soak import (
     EndState,
     LatencyBucket,
-    SchedulerConfig,
-    SchedulerCounters,
-    run_scheduler,
-    serve_flags,
+    SoakConfig,
+    SoakCounters,
+    run_soak,
     settle,
     trace_requests,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKER_ID = "soak-worker"
 # What the service retains for its streams (ServiceLimits): until these logs are full, their growth is
@@ -120,8 +119,8 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     decode_us: dict[int, list[int]] = field(default_factory=dict)  # second -> round trips
     ops_us: dict[int, list[int]] = field(default_factory=dict)
-    counters: SchedulerCounters = field(default_factory=SchedulerCounters)
-    per_scheduler: dict[int, SchedulerCounters] = field(default_factory=dict)
+    counters: SoakCounters = field(default_factory=SoakCounters)
+    per_scheduler: dict[int, SoakCounters] = field(default_factory=dict)
     baseline: EndState | None = None
     end: EndState | None = None
     peak_usage: float = 0.0
@@ -143,15 +142,9 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of the process, all threads."""
-    fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def sample(server: LaunchedProcess, stub: Any, t_s: float) -> Sample:
     stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
-    pid = server.process.pid
+    pid = server.pid
     return Sample(t_s, rss_kib(pid), cpu_s(pid), stats.usage, stats.num_requests, stats.num_pending_copies,
                   stats.num_evictions, stats.last_step_id, stats.last_event_sequence)  # fmt: skip
 
@@ -160,7 +153,7 @@ def sample(server: LaunchedProcess, stub: Any, t_s: float) -> Sample:
 
 
 def scheduler_process(
-    address: str, config: SchedulerConfig, plan: Plan, index: int, start: Any, go: Any, messages: Any
+    address: str, config: SoakConfig, plan: Plan, index: int, start: Any, go: Any, messages: Any
 ) -> None:
     """One scheduler in its own process: load its share of the trace, wait for `go`, run, report."""
     try:
@@ -170,7 +163,7 @@ def scheduler_process(
             client.wait_ready()
             messages.put(("ready", index, len(specs)))
             go.wait()
-            counters = run_scheduler(client, config, specs, start.value, lambda b: messages.put(("bucket", index, b)))
+            counters = run_soak(client, config, specs, start.value, lambda b: messages.put(("bucket", index, b)))
         messages.put(("done", index, counters))
     except BaseException:
         messages.put(("error", index, traceback.format_exc()))
@@ -185,7 +178,7 @@ def run_load(plan: Plan, server: LaunchedProcess, client: KVManagerClient, run: 
     start = context.Value("d", 0.0)
     processes = []
     for i in range(plan.schedulers):
-        config = SchedulerConfig(f"s{i}", plan.duration_s, max_running=plan.max_running, worker_id=WORKER_ID,
+        config = SoakConfig(f"s{i}", plan.duration_s, max_running=plan.max_running, worker_id=WORKER_ID,
                                  seed=plan.seed * 1000 + i)  # fmt: skip
         process = context.Process(target=scheduler_process, args=(server.address, config, plan, i, start, go, messages),
                                   name=f"soak-scheduler-{i}", daemon=True)  # fmt: skip
@@ -406,7 +399,7 @@ def render(plan: Plan, run: Run, f: dict[str, Any], command: str, server_argv: S
         row("4", "live requests / pending copies at the end", f"{end.num_requests} / {end.num_pending_copies}", "",
             f"GetBlockTables: {end.num_tables} tables, {end.num_listed_pending_copies} copies"),
         row("4", "pending copies, max during the load", f"{f['max_pending_copies']:,}", "",
-            "one fake worker acks every 8 iterations of each scheduler"),
+            "one fake worker acks every 8 Execute calls of each scheduler"),
         row("4", "ResetPrefixCache after the frees", "ok" if run.reset_prefix_cache_ok else "REFUSED", "",
             "refused while any block is held"),
         row("4", "invariants at the end", "hold" if not violations else "VIOLATED: " + "; ".join(violations), "",
@@ -482,8 +475,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
     )
     check_flags = ["--check-invariants"] if args.check_invariants else []
-    if check_flags and not serve_flags(*check_flags):
-        raise SystemExit("this checkout's `kv-manager serve --help` lists no --check-invariants")
     argv_server = [sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0",
                    "--num-blocks", str(plan.num_blocks), "--replica-id", "soak-bench", "--log-level", "WARNING",
                    *check_flags]  # fmt: skip
@@ -506,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_load(plan, server, client, run)
                 run.end = settle(client, WORKER_ID)
                 time.sleep(SETTLE_S)
-                run.rss_after_frees_kib = rss_kib(server.process.pid)
+                run.rss_after_frees_kib = rss_kib(server.pid)
                 run.reset_prefix_cache_ok = client.reset_prefix_cache()
         finally:
             run.exit_code = server.stop()

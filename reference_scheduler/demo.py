@@ -174,7 +174,7 @@ def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
             tokens = request.num_computed_tokens
             real += tokens
             paged += -(-tokens // block_size) * block_size
-            longest = len(request.prompt) + request.max_new_tokens
+            longest = request.num_prompt_tokens + request.max_new_tokens
             own_max += longest
             contiguous += max(max_model_len, longest)
     schedulers = [r.scheduler for r in replicas]

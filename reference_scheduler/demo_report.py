@@ -70,11 +70,11 @@ def build_report(replicas: Sequence["Replica"], samples: Sequence[Sample], wall_
     real = sum(s.real_tokens for s in samples)
     last = samples[-1] if samples else None
     num_completed = sum(1 for r in requests if r.finished)
-    generated = sum(len(r.output) for r in requests)
+    generated = sum(r.num_output_tokens for r in requests)
     return Report(
         num_requests=args.requests if not requests else len(requests),
         num_completed=num_completed,
-        num_prompt_tokens=sum(len(r.prompt) for r in requests),
+        num_prompt_tokens=sum(r.num_prompt_tokens for r in requests),
         num_generated_tokens=generated,
         prefix_hit_rate=last.hit_rate if last else 0.0,
         mean_usage=statistics.fmean(s.usage for s in samples) if samples else 0.0,

@@ -1,12 +1,12 @@
-"""A continuous-batching scheduler that drives a kv-manager and a GPU worker: the contract, end to end.
+"""A continuous-batching scheduler: the one loop that drives a kv-manager and a worker through the contract.
 
 Every iteration is one manager `Step` followed by one worker `Execute` of
 the same step id. A request's tokens:
 
-    tokens:  |<---- prompt ---->|<---- output ---->|
-             |<-------- computed -------->|<-pending->|
-                                         known to the scheduler, not yet
-                                         computed: the next steps' input
+    token_ids:  |<---- prompt ---->|<---- output ---->|
+                |<-------- computed -------->|<-pending->|
+                                            known to the scheduler, not yet
+                                            computed: the next steps' input
 
 One iteration, within a token budget (vLLM's max_num_batched_tokens):
 
@@ -14,39 +14,61 @@ One iteration, within a token budget (vLLM's max_num_batched_tokens):
    chunk, or the one sampled token of a decode.
 2. Waiting requests are admitted, front first, while budget and running
    slots remain; the manager adopts any cached prefix, so only the uncached
-   tail is computed (in chunks if it exceeds the budget).
+   tail is computed (in chunks if it exceeds the budget). After a step in
+   which a running request was refused, none are: the blocks go to the
+   running ones first.
 3. An op of a running request that gets NO_SPACE (nothing changed) preempts
    the newest running request: it is freed with the next step and goes back
    to the front of the waiting queue, to be recomputed (with the prefix
    cache's help) under a new manager request id. A refused admission simply
-   waits.
+   waits. On a pool of its own (not `SchedulerConfig.shared_pool`), a request
+   refused while it runs alone keeps its blocks and retries in the next
+   step; refused again in a step that freed nothing, or refused admission to
+   an idle pool, it can never fit: `RequestTooLargeError`.
 4. Every op the manager accepted is executed, so every block the manager
    counts as computed really holds its K/V. A request samples a token when
    all its known tokens are computed; finished requests are freed with the
    next step.
 
-Every Step carries a fresh idempotency key, so the client retries one whose
-response was lost (UNAVAILABLE, DEADLINE_EXCEEDED: a manager restarting from
-its journal) and the manager applies it once.
+Every answer is checked against the scheduler's own view (where an op's
+tokens start, how many were scheduled); a disagreement raises
+`SchedulerError`. Every Step carries a fresh idempotency key (unless
+`SchedulerConfig.keyed_steps` is off), so the client retries one whose
+response was lost (UNAVAILABLE, DEADLINE_EXCEEDED: a manager restarting
+from its journal) and the manager applies it once.
+
+The loop drives any `Manager` and `Worker` (`interfaces.py`): the gRPC
+clients (the demo), an in-process core (`kv-manager replay`), or a columnar
+client shared with other schedulers (the soak load, `soak.py`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Sequence
 
-from kv_manager_service.client import KVManagerClient
-from kv_manager_service.core import AllocateOp, AllocateResult, AllocateStatus, FreeOp
-from reference_scheduler.worker_client import Scheduled, WorkerClient
+from kv_manager_service.client import AllocateOp, AllocateResult, AllocateStatus, FreeOp, Op
+from reference_scheduler.interfaces import Manager, Scheduled, Worker
 
 log = logging.getLogger("reference_scheduler")
 
+OK = AllocateStatus.OK
+
 
 class SchedulerError(RuntimeError):
-    """The manager or worker cannot serve what the scheduler holds (e.g. a request never fits the pool)."""
+    """The manager or worker answered something the scheduler cannot reconcile with what it holds."""
+
+
+class RequestTooLargeError(SchedulerError):
+    """A request that does not fit in the pool even when no other request holds any of it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +81,10 @@ class Sampling:
 class SchedulerConfig:
     token_budget: int = 1 << 30  # tokens per step
     max_num_running: int = 1 << 30  # requests running at once
+    keyed_steps: bool = True  # an idempotency key on every Step, so that a lost one is retried
+    # Other schedulers hold blocks of the same pool: a request refused while this
+    # scheduler holds nothing waits for them instead of raising RequestTooLargeError.
+    shared_pool: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_running"):
@@ -66,32 +92,52 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
+    """One generation as the scheduler holds it; `token_ids` grows by one per sampled token."""
+
     request_id: str
-    prompt: list[int]
+    token_ids: list[int]  # the prompt, then the output so far
+    num_prompt_tokens: int
     max_new_tokens: int
     sampling: Sampling
-    output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     num_sent: int = 0  # tokens the manager knows, this attempt
     num_computed_tokens: int = 0  # this attempt
     num_cached_prompt_tokens: int = 0  # the prefix-cache hit of its first admission
     num_preemptions: int = 0
     running: bool = False
+    # The id under which the manager holds the current attempt: a new one after each preemption.
+    manager_id: str = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.manager_id = manager_id_of(self.request_id, self.num_preemptions)
 
     @property
-    def manager_id(self) -> str:
-        """The id under which the manager holds the current attempt (a new one after each preemption)."""
-        return self.request_id if not self.num_preemptions else f"{self.request_id}#{self.num_preemptions}"
+    def prompt(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        """The prompt and the output (the scheduler's own list: read, do not change)."""
+        return self.token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return len(self.token_ids) - self.num_prompt_tokens >= self.max_new_tokens
+
+
+def manager_id_of(request_id: str, num_preemptions: int) -> str:
+    """The manager's id for an attempt: the request id, with `#N` after the N-th preemption."""
+    return f"{request_id}#{num_preemptions}" if num_preemptions else request_id
 
 
 @dataclasses.dataclass
@@ -106,17 +152,37 @@ class StepTiming:
     num_preemptions: int
 
 
+@dataclasses.dataclass
+class SchedulerCounters:
+    """What the loop did, summed over its steps."""
+
+    num_admitted: int = 0  # admissions the manager accepted, re-admissions included
+    num_readmitted: int = 0  # of those, of preempted requests
+    num_admitted_tokens: int = 0  # tokens those admissions carried
+    num_cached_tokens: int = 0  # of those, prefix-cache hits
+    num_refused_admissions: int = 0  # NO_SPACE
+    num_refused_running: int = 0  # NO_SPACE for ops of running requests
+    num_preemptions: int = 0
+
+
 class ReferenceScheduler:
-    def __init__(self, manager: KVManagerClient, worker: WorkerClient, config: SchedulerConfig = SchedulerConfig()) -> None:
+    """The loop of the module docstring over one `Manager` and one `Worker`, which it alone drives."""
+
+    def __init__(self, manager: Manager, worker: Worker, config: SchedulerConfig = SchedulerConfig()) -> None:
         self.manager = manager
         self.worker = worker
         self.config = config
-        self.sequences: dict[str, Request] = {}
+        self.sequences: dict[str, Request] = {}  # every request added and not yet discarded
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # oldest first
         self.to_free: list[str] = []  # manager ids, freed by the next step
         self.timings: list[StepTiming] = []
-        self.num_preemptions = 0
+        self.counters = SchedulerCounters()
+        self.running_refused = False  # a running request got NO_SPACE in the last step
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.counters.num_preemptions
 
     def add(self, request_id: str, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling = Sampling()) -> Request:
         if request_id in self.sequences or "#" in request_id:
@@ -125,7 +191,7 @@ class ReferenceScheduler:
             raise ValueError(f"request {request_id!r}: the prompt must not be empty")
         if max_new_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        request = Request(request_id, list(prompt), max_new_tokens, sampling)
+        request = Request(request_id, list(prompt), len(prompt), max_new_tokens, sampling)
         self.sequences[request_id] = request
         self.waiting.append(request)
         return request
@@ -137,19 +203,45 @@ class ReferenceScheduler:
         with its own sampling, generating up to `max_new_tokens` tokens in all.
         """
         parent = self.sequences[parent_id]
-        if not parent.running or not parent.output:
+        if not parent.running or not parent.num_output_tokens:
             raise ValueError(f"request {parent_id!r} must be running and have sampled a token to be forked")
+        for child_id in children:
+            if child_id in self.sequences or "#" in child_id:
+                raise ValueError(f"request id {child_id!r} is already in use or contains '#'")
         self.manager.fork(parent.manager_id, list(children))
         forked = []
         for child_id, sampling in children.items():
             child = dataclasses.replace(
-                parent, request_id=child_id, output=list(parent.output), logprobs=list(parent.logprobs),
+                parent, request_id=child_id, token_ids=list(parent.token_ids), logprobs=list(parent.logprobs),
                 max_new_tokens=max_new_tokens, sampling=sampling, num_preemptions=0,
             )  # fmt: skip
             self.sequences[child_id] = child
             self.running.append(child)
             forked.append(child)
         return forked
+
+    def abort(self, request_id: str) -> Request:
+        """Stop a waiting or running request; what the manager holds of it is freed with the next step."""
+        request = self.sequences[request_id]
+        if request.running:
+            self.running.remove(request)
+            request.running = False
+            self.to_free.append(request.manager_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            raise ValueError(f"request {request_id!r} is neither waiting nor running")
+        return request
+
+    def discard(self, request_id: str) -> Request:
+        """Forget a finished or aborted request (`sequences` keeps each one until then, for its output).
+
+        Its id may be added again once the next step has freed it.
+        """
+        request = self.sequences[request_id]
+        if request.running or request in self.waiting:
+            raise ValueError(f"request {request_id!r} is still waiting or running")
+        return self.sequences.pop(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -160,81 +252,55 @@ class ReferenceScheduler:
         if not self.has_work:
             self.flush()
             return []
-        ops: list[AllocateOp | FreeOp] = [FreeOp(self.to_free)] if self.to_free else []
+        ops: list[Op] = [FreeOp(self.to_free)] if self.to_free else []
         num_frees = len(ops)
-        had_frees = bool(self.to_free)
         self.to_free = []
-        planned = self._plan(ops)
+        num_running, admissions = self._plan(ops)
+        if not ops:
+            return []
         started = time.perf_counter()
         # Keyed: a Step whose response is lost (a manager restarting) is retried and applied once.
-        step = self.manager.step(ops, auto_key=True) if ops else None
+        step = self.manager.step(ops, auto_key=self.config.keyed_steps)
         step_ms = (time.perf_counter() - started) * 1e3
-        if step is None:
-            return []
 
-        scheduled: list[tuple[Request, Scheduled]] = []
-        admission_refused = False
-        num_preempt = 0
-        for (request, admitting), result in zip(planned, step.results[num_frees:]):
-            if result.status is AllocateStatus.NO_SPACE:
-                if admitting:
-                    admission_refused = True
-                else:
-                    num_preempt += 1
-                continue
-            if admitting:
-                self.waiting.remove(request)
-                self.running.append(request)
-                request.running = True
-                if not request.num_preemptions and not request.output:
-                    request.num_cached_prompt_tokens = result.num_computed_tokens
-            start, count = result.num_computed_tokens, result.num_scheduled_tokens
-            tokens = request.tokens
-            request.num_sent = len(tokens)
-            request.num_computed_tokens = start + count
-            scheduled.append(
-                (request, Scheduled(request.manager_id, tokens[start : start + count], start,
-                                    request.sampling.temperature, request.sampling.seed))
-            )  # fmt: skip
+        executing, batch, num_preempt = self._accept(
+            ops[num_frees:], step.results[num_frees:], num_running, admissions, freed=bool(num_frees)
+        )
         for _ in range(num_preempt):
             self._preempt_newest()
-        if admission_refused and not self.running and not scheduled and not had_frees:
-            request = self.waiting[0]
-            raise SchedulerError(
-                f"request {request.request_id!r} ({len(request.tokens)} tokens) does not fit in the idle pool: "
-                "lower the token budget or grow the pool"
-            )
 
         execute_ms = forward_ms = 0.0
         finished = []
-        if scheduled:
+        if batch:
             started = time.perf_counter()
-            executed = self.worker.execute(step.step_id, [s for _, s in scheduled])
+            executed = self.worker.execute(step.step_id, batch)
             execute_ms = (time.perf_counter() - started) * 1e3
             forward_ms = executed.forward_ms
-            for (request, sent), output in zip(scheduled, executed.outputs):
-                assert output.request_id == sent.request_id, (output, sent.request_id)
-                if request.num_computed_tokens < len(request.tokens):
+            for request, sent, output in zip(executing, batch, executed.outputs):
+                if output.request_id != sent.request_id:
+                    raise SchedulerError(f"the worker answered {output.request_id!r} for {sent.request_id!r}")
+                token_ids = request.token_ids
+                if request.num_computed_tokens < len(token_ids):
                     continue  # a prefill chunk, or preempted: the sampled token is not the next one
-                request.output.append(output.token_id)
+                token_ids.append(output.token_id)
                 request.logprobs.append(output.logprob)
-                if request.finished and request.running:
+                if request.running and len(token_ids) - request.num_prompt_tokens >= request.max_new_tokens:
+                    request.running = False
                     finished.append(request)
-        for request in finished:
-            self.running.remove(request)
-            request.running = False
-            self.to_free.append(request.manager_id)
-        copies = sum(len(r.copies) for r in step.results if isinstance(r, AllocateResult))
+        if finished:
+            self.running = [r for r in self.running if r.running]
+            self.to_free.extend(r.manager_id for r in finished)
+        copies = sum(len(r.copies) for r in step.results if type(r) is AllocateResult)
         self.timings.append(
-            StepTiming(step.step_id, len(scheduled), sum(len(s.token_ids) for _, s in scheduled), step_ms,
-                       execute_ms, forward_ms, copies, num_preempt)
+            StepTiming(step.step_id, len(batch), sum(len(s.token_ids) for s in batch), step_ms, execute_ms,
+                       forward_ms, copies, num_preempt)
         )  # fmt: skip
         return finished
 
     def flush(self) -> None:
         """Free the finished and preempted requests now."""
         if self.to_free:
-            self.manager.step([FreeOp(self.to_free)], auto_key=True)
+            self.manager.step([FreeOp(self.to_free)], auto_key=self.config.keyed_steps)
             self.to_free = []
 
     def run(self) -> None:
@@ -243,36 +309,140 @@ class ReferenceScheduler:
             self.step()
         self.flush()
 
-    def _plan(self, ops: list) -> list[tuple[Request, bool]]:
-        """Append this step's allocate ops to `ops`; (request, is an admission) for each."""
+    def _plan(self, ops: list[Op]) -> tuple[int, list[Request]]:
+        """Append this step's allocate ops to `ops`: one for each of the first N running requests, then one
+        for each admission. Returns N and the requests to admit, in op order."""
         budget = self.config.token_budget
-        planned = []
+        num_ops = len(ops)
+        append = ops.append
         for request in self.running:
             if budget == 0:
                 break
-            tokens = request.tokens
-            count = min(len(tokens) - request.num_computed_tokens, budget)
-            ops.append(AllocateOp(request.manager_id, tokens[request.num_sent :], count))
-            planned.append((request, False))
+            token_ids = request.token_ids
+            count = len(token_ids) - request.num_computed_tokens
+            if count > budget:
+                count = budget
+            append(AllocateOp(request.manager_id, token_ids[request.num_sent :], count))
             budget -= count
+        num_running = len(ops) - num_ops
+        admissions: list[Request] = []
+        if self.running_refused:
+            return num_running, admissions
         slots = self.config.max_num_running - len(self.running)
-        for request in list(self.waiting)[: max(0, slots)]:
+        for request in itertools.islice(self.waiting, max(0, slots)):
             if budget == 0:
                 break
-            tokens = request.tokens
-            count = min(len(tokens), budget)
-            ops.append(AllocateOp(request.manager_id, tokens, count))
-            planned.append((request, True))
+            token_ids = request.token_ids
+            count = min(len(token_ids), budget)
+            append(AllocateOp(request.manager_id, token_ids, count))
+            admissions.append(request)
             budget -= count
-        return planned
+        return num_running, admissions
+
+    def _accept(
+        self,
+        ops: Sequence[AllocateOp],
+        results: Sequence[AllocateResult],
+        num_running: int,
+        admissions: list[Request],
+        freed: bool,
+    ) -> tuple[list[Request], list[Scheduled], int]:
+        """Apply the manager's answers to the planned ops (see `_plan`): admit, advance, count refusals.
+
+        Returns the requests to execute, what to execute of each (in the
+        same order), and how many running requests to preempt. Raises
+        RequestTooLargeError for a request that cannot fit even alone
+        (unless the pool is shared), SchedulerError on a disagreement.
+        """
+        counters = self.counters
+        executing: list[Request] = []
+        batch: list[Scheduled] = []
+        refused_admission: tuple[Request, AllocateOp] | None = None
+        refused_running: list[tuple[Request, AllocateOp]] = []
+        for request, op, result in zip(itertools.chain(self.running[:num_running], admissions), ops, results):
+            admitting = not request.running
+            if result.status is not OK:
+                if admitting:
+                    counters.num_refused_admissions += 1
+                    refused_admission = refused_admission or (request, op)
+                else:
+                    counters.num_refused_running += 1
+                    refused_running.append((request, op))
+                continue
+            start = result.num_computed_tokens
+            count = result.num_scheduled_tokens
+            if admitting:
+                self._admit(request, op, start, count)
+                computing = request.token_ids[start : start + count]
+            elif start != request.num_computed_tokens or count != op.num_new_tokens:
+                raise SchedulerError(
+                    f"{request.manager_id!r}: the manager computes tokens {start}..{start + count}, the scheduler "
+                    f"expected {request.num_computed_tokens}..{request.num_computed_tokens + op.num_new_tokens}"
+                )
+            elif start == request.num_sent and count == len(op.token_ids):
+                computing = op.token_ids  # a decode: the tokens it sent are the ones it computes
+            else:
+                computing = request.token_ids[start : start + count]
+            request.num_sent = len(request.token_ids)
+            request.num_computed_tokens = start + count
+            sampling = request.sampling
+            executing.append(request)
+            batch.append(Scheduled(request.manager_id, computing, start, sampling.temperature, sampling.seed))
+        self.running_refused = bool(refused_running)
+        if self.config.shared_pool:
+            return executing, batch, len(refused_running)
+        if refused_admission is not None and not self.running and not batch and not freed:
+            request, op = refused_admission
+            raise RequestTooLargeError(
+                request.request_id,
+                f"request {request.request_id!r} ({len(request.token_ids)} tokens) does not fit in the idle pool: "
+                f"its cached prefix and a {op.num_new_tokens}-token prefill chunk need more blocks than the pool "
+                "holds; lower the token budget or grow the pool",
+            )
+        if refused_running and len(self.running) == 1:
+            # Alone, nobody can give blocks back: it keeps its own and retries,
+            # unless this step freed nothing either.
+            request, op = refused_running[0]
+            if not freed:
+                self.abort(request.request_id)
+                self.flush()
+                raise RequestTooLargeError(
+                    request.request_id,
+                    f"request {request.request_id!r} ({len(request.token_ids)} tokens) was refused "
+                    f"{op.num_new_tokens} more tokens while it ran alone and nothing was left to free: it needs "
+                    "more blocks than the pool holds; grow the pool",
+                )
+            return executing, batch, 0
+        return executing, batch, len(refused_running)
+
+    def _admit(self, request: Request, op: AllocateOp, start: int, count: int) -> None:
+        """Move a waiting request whose admission the manager accepted (computing `count` tokens from `start`)
+        to the running ones; SchedulerError if that is not what the scheduler asked for."""
+        num_tokens = len(request.token_ids)
+        if count != min(op.num_new_tokens, num_tokens - start) or start >= num_tokens:
+            raise SchedulerError(
+                f"admitting {request.manager_id!r}: the manager computes tokens {start}..{start + count} of "
+                f"{num_tokens}, asked for {op.num_new_tokens}"
+            )
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.running = True
+        counters = self.counters
+        counters.num_admitted += 1
+        counters.num_readmitted += request.num_preemptions > 0
+        counters.num_admitted_tokens += num_tokens
+        counters.num_cached_tokens += start
+        if not request.num_preemptions and num_tokens == request.num_prompt_tokens:
+            request.num_cached_prompt_tokens = start
 
     def _preempt_newest(self) -> None:
         victim = self.running.pop()
         victim.running = False
         self.to_free.append(victim.manager_id)
         victim.num_preemptions += 1
+        victim.manager_id = manager_id_of(victim.request_id, victim.num_preemptions)
         victim.num_sent = victim.num_computed_tokens = 0
         self.waiting.appendleft(victim)
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         log.info("preempted %s: no free blocks; it will be recomputed", victim.request_id,
                  extra={"request_id": victim.request_id, "attempt": victim.num_preemptions})  # fmt: skip

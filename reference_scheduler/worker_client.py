@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import grpc
 
 from kv_manager_service.rpc.security import ClientTLS, client_channel
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
+from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
 
-
-class Scheduled(NamedTuple):
-    """Tokens of one request to compute in a step, from `start_position` on."""
-
-    request_id: str
-    token_ids: Sequence[int]
-    start_position: int
-    temperature: float = 0.0
-    seed: int = 0
-
-
-class NextToken(NamedTuple):
-    request_id: str
-    token_id: int
-    logprob: float
-
-
-class ExecuteResult(NamedTuple):
-    step_id: int
-    outputs: tuple[NextToken, ...]  # one per scheduled request, in order
-    forward_ms: float
+__all__ = ["ExecuteResult", "NextToken", "Scheduled", "WorkerClient"]
 
 
 class WorkerClient:

@@ -138,8 +138,9 @@ def make_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser(
         "replay",
         help="replay the Mooncake trace through the block manager and report hits, usage and speed",
-        description="Replays a Mooncake trace through the core with a continuous-batching scheduler "
-        "(chunked prefill, preemption on NO_SPACE). No model runs: only the block manager works.",
+        description="Replays a Mooncake trace through the core with the reference scheduler's loop "
+        "(continuous batching, chunked prefill, preemption on NO_SPACE). No model runs: only the block "
+        "manager works.",
     )
     replay.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSON-lines trace (default: %(default)s)")
     replay.add_argument("--requests", type=positive_int, default=400, help="replay the first N requests (default %(default)s)")

@@ -1,16 +1,16 @@
 """A short soak: three trace-driven schedulers against one server process for a few seconds.
 
-The schedulers (tests/soak_load.py, the load of `bench/soak_bench.py`, here
-in threads) admit Mooncake prompts, decode them in columnar Steps, fork,
+The schedulers (`reference_scheduler.soak`, the load of `bench/soak_bench.py`,
+here in threads) admit Mooncake prompts, decode them in columnar Steps, fork,
 abort and free, and preempt on NO_SPACE; the pool (255 usable blocks) is far
 smaller than three full batches (3 x 16 requests of ~12 blocks), so NO_SPACE
 and preemption happen. Every call must succeed with OK or NO_SPACE results
 that agree with the scheduler's view. Afterwards no request is live, no copy
 is pending, and every block is free again (cached-but-evictable blocks count
 as free); the server exits 0 on SIGTERM with no traceback in its log. With
-`--check-invariants` (when `serve` has it), the server also checks the
-core's invariants after every mutation and would answer INTERNAL on a
-violation, failing the scheduler that sent it.
+`--check-invariants`, the server also checks the core's invariants after
+every mutation and would answer INTERNAL on a violation, failing the
+scheduler that sent it.
 """
 
 from __future__ import annotations
@@ -19,18 +19,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from processes import check_clean_exit
-from soak_load import (
-    LatencyBucket,
-    SchedulerConfig,
-    SchedulerCounters,
-    run_scheduler,
-    serve_flags,
-    settle,
-    trace_requests,
-)
 from svc_support import pool_config
 
 from kv_manager_service.client import KVManagerClient
+from reference_scheduler.soak import LatencyBucket, SoakConfig, SoakCounters, run_soak, settle, trace_requests
 
 NUM_SCHEDULERS = 3
 NUM_BLOCKS = 256  # 255 usable
@@ -42,23 +34,23 @@ MAX_RUNNING = 16
 WORKER_ID = "soak-worker"
 
 
-def run_scheduler_thread(address: str, config: SchedulerConfig, index: int, start_s: float) -> SchedulerCounters:
+def run_scheduler_thread(address: str, config: SoakConfig, index: int, start_s: float) -> SoakCounters:
     max_num_tokens = (NUM_BLOCKS - 1) // (4 * NUM_SCHEDULERS) * BLOCK_SIZE  # no request needs over a quarter share
     specs = trace_requests(SCALE, OUTPUT_SCALE, max_num_tokens, index, NUM_SCHEDULERS)
     buckets: list[LatencyBucket] = []
     with KVManagerClient(address) as client:
         client.wait_ready()
-        return run_scheduler(client, config, specs, start_s, buckets.append)
+        return run_soak(client, config, specs, start_s, buckets.append)
 
 
 def test_soak_schedulers_leave_the_pool_as_they_found_it(server_factory) -> None:
     server = server_factory.start(
-        "--replica-id", "soak", "--log-level", "WARNING", *serve_flags("--check-invariants"),
+        "--replica-id", "soak", "--log-level", "WARNING", "--check-invariants",
         config=pool_config(NUM_BLOCKS, BLOCK_SIZE),
     )  # fmt: skip
     configs = [
-        SchedulerConfig(f"s{i}", DURATION_S, max_running=MAX_RUNNING, fork_every=10, abort_every=15,
-                        worker_id=WORKER_ID, seed=i)
+        SoakConfig(f"s{i}", DURATION_S, max_running=MAX_RUNNING, fork_every=10, abort_every=15,
+                   worker_id=WORKER_ID, seed=i)
         for i in range(NUM_SCHEDULERS)
     ]  # fmt: skip
     with KVManagerClient(server.address) as client:
@@ -74,7 +66,7 @@ def test_soak_schedulers_leave_the_pool_as_they_found_it(server_factory) -> None
             per_scheduler = [future.result() for future in futures]  # raises what a scheduler raised
         end = settle(client, WORKER_ID)
 
-    total = SchedulerCounters()
+    total = SoakCounters()
     for counters in per_scheduler:
         assert counters.num_request_steps > 0, counters
         total.add(counters)
