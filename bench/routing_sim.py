@@ -9,11 +9,12 @@ the mirror with zero lag and the same chained hashes. The first
 0.125: each 512-token trace block becomes 64 tokens, 4 whole 16-token
 blocks, so the trace's sharing lands on block boundaries; outputs scale
 likewise). Time is simulated in ticks: requests arrive at their trace
-timestamps, and every tick each replica runs one step of replay.py's
-continuous-batching scheduler (chunked prefill under a token budget,
-preemption on NO_SPACE). Cache-aware routing builds one `ReplicaPrefix` per
+timestamps, and every tick each busy replica runs one iteration of the
+reference scheduler's loop (`ReferenceScheduler`, chunked prefill under a
+token budget, preemption of the newest request on NO_SPACE) over its core,
+as `kv-manager replay` does. Cache-aware routing builds one `ReplicaPrefix` per
 replica (leading cached blocks of the prompt, a `Lease` from the core's
-stats) and calls `cluster.choose_replica` (longest prefix, ties by usage,
+stats) and calls `lookup.choose_replica` (longest prefix, ties by usage,
 then requests), with leases fresh at each decision or refreshed every TTL/3
 as the heartbeat does; round-robin sends request i to replica i mod 4. One
 run per policy and pool size (--sim-pool-blocks, default 6000 and 12000
@@ -37,25 +38,19 @@ import shlex
 import statistics
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from bench_stats import percentile
-from kv_manager_service.cli.replay import sampled_token_id
-from kv_manager_service.core import (
-    AllocateOp,
-    AllocateStatus,
-    BlockHasher,
-    BlockRemoved,
-    BlockStored,
-    KVCacheConfig,
-    KVCacheManager,
-)
+from kv_manager_service.cli.in_process import InProcessManager
+from kv_manager_service.cli.replay import SampledTokenWorker
+from kv_manager_service.core import BlockHasher, BlockRemoved, BlockStored, KVCacheConfig, KVCacheManager
 from kv_manager_service.mirror.lookup import ReplicaPrefix, choose_replica
 from kv_manager_service.mirror.schema import Lease
-from kv_manager_service.workload import DEFAULT_VOCAB_SIZE, TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
+from kv_manager_service.workload import TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
+from reference_scheduler.scheduler import ReferenceScheduler, RequestTooLargeError, Sampling, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
@@ -112,13 +107,14 @@ def plan_from_args(args: argparse.Namespace) -> SimPlan:
 
 
 class SimRequest:
+    """One trace request as the simulation follows it: where it went, what the router expected, when it started."""
+
     __slots__ = ("index", "request_id", "arrival_tick", "prompt_len", "num_output_tokens", "token_ids", "hashes",
-                 "num_sent", "num_computed", "running", "first_hit", "expected_hit", "admit_tick", "first_token_tick",
-                 "replica")
+                 "first_hit", "expected_hit", "admit_tick", "first_token_tick", "replica")
 
     def __init__(self, index: int, record: TraceRecord, tick_ms: float, expander: TokenExpander,
                  hasher: BlockHasher) -> None:
-        self.index = index
+        self.index = index  # also its sampling seed
         self.request_id = f"sim-{index}"
         self.arrival_tick = int(record.timestamp_ms // tick_ms)
         self.token_ids = expander.prompt_token_ids(record)
@@ -126,34 +122,38 @@ class SimRequest:
         self.num_output_tokens = expander.output_length(record)
         # What a router hashes: the prompt's full blocks a hit may cover (one token is left to compute).
         self.hashes = hasher.hash_blocks(hasher.root_hash, self.token_ids)[: (self.prompt_len - 1) // BLOCK_SIZE]
-        self.num_sent = self.num_computed = 0
-        self.running = False
-        self.first_hit: int | None = None
+        self.first_hit: int | None = None  # cached prompt tokens at its first admission
         self.expected_hit = 0
         self.admit_tick = self.first_token_tick = -1
         self.replica = -1
 
 
 class SimReplica:
-    """One replica: its own core and pool, the scheduler loop of replay.py one step at a time, and the
-    mirror's view of it (hash -> count of cached blocks carrying it, from the core's events)."""
+    """One replica: the reference scheduler's loop over a core and pool of its own (`kv-manager replay`'s
+    in-process manager and synthetic worker), one step at a time, and the mirror's view of it (hash -> count
+    of cached blocks carrying it, from the core's events)."""
 
-    def __init__(self, replica_id: str, plan: SimPlan, num_blocks: int) -> None:
+    def __init__(self, replica_id: str, plan: SimPlan, num_blocks: int, vocab_size: int) -> None:
         self.replica_id = replica_id
         self.manager = KVCacheManager(KVCacheConfig(num_blocks=num_blocks, enable_events=True))
-        self.token_budget = plan.sim_token_budget
-        self.max_running = plan.sim_max_running
-        self.mirror: Counter = Counter()
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
-        self.num_routed = self.routed_tokens = self.num_preemptions = self.max_waiting = 0
+        self.scheduler = ReferenceScheduler(
+            InProcessManager(self.manager),
+            SampledTokenWorker(vocab_size),
+            SchedulerConfig(plan.sim_token_budget, plan.sim_max_running),
+        )
+        self.mirror: Counter[bytes] = Counter()
+        self.unstarted: dict[str, SimRequest] = {}  # routed here, no token sampled yet
+        self.num_routed = self.routed_tokens = self.max_waiting = 0
         self.peak_usage = 0.0
-        self.busy_ticks = 0
-        self.last_tick = 0
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or finished ones still to free (the next step frees them)."""
+        return self.scheduler.has_work or bool(self.scheduler.to_free)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     def lease(self) -> Lease:
         stats = self.manager.stats()
@@ -170,10 +170,45 @@ class SimReplica:
         return n
 
     def route(self, request: SimRequest) -> None:
-        self.waiting.append(request)
+        """Queue `request` at the back of this replica's waiting requests."""
+        self.scheduler.add(request.request_id, request.token_ids, request.num_output_tokens,
+                           Sampling(seed=request.index))
+        self.unstarted[request.request_id] = request
         self.num_routed += 1
         self.routed_tokens += request.prompt_len
-        self.max_waiting = max(self.max_waiting, len(self.waiting))
+        self.max_waiting = max(self.max_waiting, len(self.scheduler.waiting))
+
+    def step(self, tick: int) -> None:
+        """One iteration of the scheduler's loop, at `tick`.
+
+        Records first admissions and first tokens on the requests, forgets
+        the finished ones (the next step frees their blocks) and brings the
+        mirror up to date. Exits if a request cannot fit in the pool even
+        alone.
+        """
+        scheduler = self.scheduler
+        try:
+            finished = scheduler.step()
+        except RequestTooLargeError as error:
+            index = scheduler.sequences[error.request_id].sampling.seed
+            raise SystemExit(f"sim request {index}: {error} (--sim-pool-blocks, --sim-token-budget)") from error
+        self._record_starts(tick)
+        self.peak_usage = max(self.peak_usage, self.manager.stats().usage)
+        for request in finished:
+            scheduler.discard(request.request_id)
+        self._drain_events()
+
+    def _record_starts(self, tick: int) -> None:
+        """Stamp `tick` on the requests first admitted (with their prefix hit) or first sampled in this step."""
+        sequences = self.scheduler.sequences
+        for request_id, request in list(self.unstarted.items()):
+            held = sequences[request_id]
+            if request.first_hit is None and (held.running or held.num_preemptions or held.num_output_tokens):
+                request.first_hit = held.num_cached_prompt_tokens
+                request.admit_tick = tick
+            if held.num_output_tokens:
+                request.first_token_tick = tick
+                del self.unstarted[request_id]
 
     def _drain_events(self) -> None:
         mirror = self.mirror
@@ -190,86 +225,6 @@ class SimReplica:
                         del mirror[block_hash]
             else:  # AllBlocksCleared: the simulation never resets the cache
                 mirror.clear()
-
-    def _preempt_newest(self) -> SimRequest:
-        victim = self.running.pop()
-        self.manager.free((victim.request_id,))
-        victim.running = False
-        victim.num_sent = victim.num_computed = 0
-        self.waiting.appendleft(victim)
-        self.num_preemptions += 1
-        return victim
-
-    def _advance(self, request: SimRequest, num_computed: int, computed: list[SimRequest]) -> None:
-        request.num_sent = len(request.token_ids)
-        request.num_computed = num_computed
-        if num_computed == len(request.token_ids):
-            computed.append(request)
-
-    def step(self, tick: int) -> list[SimRequest]:
-        """One scheduler step (replay.py's loop body); returns the requests that finished."""
-        manager = self.manager
-        self.busy_ticks += 1
-        self.last_tick = tick
-        budget = self.token_budget
-        ops = []
-        for request in self.running:
-            if budget == 0:
-                break
-            num_tokens = min(len(request.token_ids) - request.num_computed, budget)
-            ops.append(AllocateOp(request.request_id, request.token_ids[request.num_sent:], num_tokens))
-            budget -= num_tokens
-        results = manager.step(ops).results if ops else ()
-        computed: list[SimRequest] = []
-        preempted = False
-        for request, op, result in zip(self.running[: len(ops)], ops, results):
-            if not request.running:
-                continue
-            while result.status is AllocateStatus.NO_SPACE:
-                preempted = True
-                if self._preempt_newest() is request:
-                    if not self.running:
-                        raise SystemExit(f"sim request {request.index} does not fit in a replica's pool alone; "
-                                         "raise --sim-pool-blocks")
-                    break
-                result = manager.step((op,)).results[0]
-            if request.running:
-                self._advance(request, result.num_computed_tokens + result.num_scheduled_tokens, computed)
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not preempted:
-            request = self.waiting[0]
-            result = manager.allocate(request.request_id, request.token_ids, budget)
-            if result.status is AllocateStatus.NO_SPACE:
-                if not self.running:
-                    raise SystemExit(f"sim request {request.index}: prefix + prefill chunk do not fit an idle pool; "
-                                     "raise --sim-pool-blocks or lower --sim-token-budget")
-                break
-            self.waiting.popleft()
-            request.running = True
-            self.running.append(request)
-            if request.first_hit is None:
-                request.first_hit = result.num_computed_tokens
-                request.admit_tick = tick
-            budget -= result.num_scheduled_tokens
-            self._advance(request, result.num_computed_tokens + result.num_scheduled_tokens, computed)
-        self.peak_usage = max(self.peak_usage, manager.stats().usage)
-        finished = []
-        for request in computed:
-            if request.first_token_tick < 0:
-                request.first_token_tick = tick
-            num_output = len(request.token_ids) - request.prompt_len + 1
-            if num_output == request.num_output_tokens:
-                finished.append(request)
-            else:
-                request.token_ids.append(sampled_token_id(request.index, len(request.token_ids), DEFAULT_VOCAB_SIZE))
-        if finished:
-            manager.free([r.request_id for r in finished])
-            for request in finished:
-                request.running = False
-                request.token_ids = None
-            self.running[:] = [r for r in self.running if r.running]
-        manager.ack(manager.last_step_id)
-        self._drain_events()
-        return finished
 
 
 POLICIES = (
@@ -306,7 +261,7 @@ def simulate(policy: str, pool_blocks: int, records: Sequence[TraceRecord], plan
     started = now_ns()
     expander = TokenExpander(scale=plan.sim_scale)
     hasher = BlockHasher(BLOCK_SIZE)
-    replicas = [SimReplica(f"r{i}", plan, pool_blocks) for i in range(plan.sim_replicas)]
+    replicas = [SimReplica(f"r{i}", plan, pool_blocks, expander.vocab_size) for i in range(plan.sim_replicas)]
     requests = [SimRequest(i, r, plan.sim_tick_ms, expander, hasher) for i, r in enumerate(records)]
     refresh_ticks = max(1, round(LEASE_REFRESH_MS / plan.sim_tick_ms))
     leases = [r.lease() for r in replicas]
@@ -340,6 +295,7 @@ def simulate(policy: str, pool_blocks: int, records: Sequence[TraceRecord], plan
             if replica.busy:
                 replica.step(tick)
         tick += 1
+    stats = [r.manager.stats() for r in replicas]
     return SimResult(
         policy=policy,
         pool_blocks=pool_blocks,
@@ -347,8 +303,8 @@ def simulate(policy: str, pool_blocks: int, records: Sequence[TraceRecord], plan
         prompt_tokens=sum(r.prompt_len for r in requests),
         hit_tokens=sum(r.first_hit for r in requests),
         expected_hit_tokens=sum(r.expected_hit for r in requests),
-        manager_queries=sum(r.manager.prefix_cache_queries for r in replicas),
-        manager_hits=sum(r.manager.prefix_cache_hits for r in replicas),
+        manager_queries=sum(s.prefix_cache_queries for s in stats),
+        manager_hits=sum(s.prefix_cache_hits for s in stats),
         replicas=replicas,
         ttft_ticks=[r.first_token_tick - r.arrival_tick for r in requests],
         queue_ticks=[r.admit_tick - r.arrival_tick for r in requests],
@@ -407,17 +363,18 @@ def render_sim(sims: Sequence[SimResult], bound: tuple[int, int], plan: SimPlan,
         "",
         f"Trace `{trace.name}` scaled by {plan.sim_scale} (every 512-token trace block becomes {scaled_block} "
         f"tokens, outputs likewise: {first.prompt_tokens:,} prompt tokens); block {BLOCK_SIZE}. Per replica an "
-        f"in-process KVCacheManager with its own pool, replay.py's scheduler (token budget {plan.sim_token_budget} "
-        f"per step, <= {plan.sim_max_running} running, chunked prefill, preemption on NO_SPACE), one step per replica "
-        f"per tick; requests arrive at their trace timestamps, one tick = {plan.sim_tick_ms:g} ms (a scaled step "
-        "stands for 1/scale real steps of ~30 ms). The router reads an in-process copy of the mirror: per replica "
-        "the cached hash counts kept from its core's BlockStored / BlockRemoved events after every step (what "
-        "MirrorWriter publishes, with zero lag), and Leases from each core's stats (num_requests, usage) either "
-        f"fresh at each decision or refreshed every {refresh_ticks} ticks (TTL/3 of the default 10 s lease, like "
-        "the heartbeat). It calls `cluster.choose_replica` on ReplicaPrefix values (longest cached prefix, ties to "
-        "the lowest usage, then fewest requests, then replica id). Round-robin sends request i to replica i mod "
-        f"{plan.sim_replicas}. Deterministic: one run each. Bound: one pool that never evicts and sees every "
-        f"prompt in trace order hits {bound[0]:,} tokens ({bound[0] / bound[1]:.1%}).",
+        f"in-process KVCacheManager with its own pool, the reference scheduler's loop as `kv-manager replay` runs it "
+        f"(token budget {plan.sim_token_budget} per step, <= {plan.sim_max_running} running, chunked prefill, "
+        "preemption of the newest request on NO_SPACE; finished requests are freed with the next step), one step "
+        f"per busy replica per tick; requests arrive at their trace timestamps, one tick = {plan.sim_tick_ms:g} ms "
+        "(a scaled step stands for 1/scale real steps of ~30 ms). The router reads an in-process copy of the "
+        "mirror: per replica the cached hash counts kept from its core's BlockStored / BlockRemoved events after "
+        "every step (what MirrorWriter publishes, with zero lag), and Leases from each core's stats (num_requests, "
+        f"usage) either fresh at each decision or refreshed every {refresh_ticks} ticks (TTL/3 of the default 10 s "
+        "lease, like the heartbeat). It calls `lookup.choose_replica` on ReplicaPrefix values (longest cached "
+        "prefix, ties to the lowest usage, then fewest requests, then replica id). Round-robin sends request i to "
+        f"replica i mod {plan.sim_replicas}. Deterministic: one run each. Bound: one pool that never evicts and sees "
+        f"every prompt in trace order hits {bound[0]:,} tokens ({bound[0] / bound[1]:.1%}).",
         "",
         "Per-replica columns list r0 / r1 / r2 / r3, then (max / min). Hits are counted at each request's first "
         "admission; 'router saw' is the prefix the mirror showed for the chosen replica when routing.",
@@ -436,7 +393,7 @@ def render_sim(sims: Sequence[SimResult], bound: tuple[int, int], plan: SimPlan,
             f"| {r.pool_blocks:,} | {labels[r.policy]} | {r.hit_tokens:,} | {r.hit_rate:.1%} | {vs} | "
             f"{r.expected_hit_tokens:,} | {spread([x.num_routed for x in reps])} | "
             f"{spread([x.routed_tokens for x in reps])} | {spread([x.peak_usage for x in reps], True)} | "
-            f"{sum(x.manager.pool.num_evictions for x in reps):,} | {sum(x.num_preemptions for x in reps)} | "
+            f"{sum(x.manager.stats().num_evictions for x in reps):,} | {sum(x.num_preemptions for x in reps)} | "
             f"{' / '.join(str(x.max_waiting) for x in reps)} | "
             f"{percentile(r.queue_ticks, 50):,} / {percentile(r.queue_ticks, 99):,} ticks | "
             f"{percentile(r.ttft_ticks, 50):,} / {percentile(r.ttft_ticks, 99):,} ticks | "
