@@ -19,7 +19,7 @@ command line and the machine:
 
 Each timed figure is the median over rounds of the per-round median; the
 spread column shows the lowest and highest round medians. The vLLM column
-comes from DESIGN.md section 6 (measured elsewhere); only the hashing
+comes from docs/architecture.md, "vLLM reference figures" (measured elsewhere); only the hashing
 re-implementation is measured in this run. In the "vLLM / ours" column
 > 1 means ours is faster or smaller.
 
@@ -62,7 +62,7 @@ DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16
 VOCAB_SIZE = 150_000
 
-# DESIGN.md section 6: vLLM 0.33's in-process core, 2 cores, Python 3.11.
+# docs/architecture.md, "vLLM reference figures": vLLM 0.33's in-process core, 2 cores, Python 3.11.
 VLLM_DECODE_US_PER_REQUEST = 4.7
 VLLM_DECODE_STEP_MS = 1.35
 VLLM_SHA256_CBOR_US_PER_BLOCK = 3.5
@@ -333,7 +333,7 @@ def make_vllm_hasher() -> Callable[[list[int], int], list[bytes]]:
 
 def bench_hashing(rounds: int, num_blocks: int) -> list[Row]:
     hasher = BlockHasher(BLOCK_SIZE)
-    # DESIGN.md section 2 test vector, and vLLM's root with the same seed.
+    # The test vector of docs/architecture.md ("Block hashing"), and vLLM's root with the same seed.
     expected = "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749"
     assert hasher.hash_blocks(hasher.root_hash, list(range(16)))[0].hex() == expected
     assert hasher.root_hash == vllm_sha256_cbor("vllm-none-hash")
@@ -496,7 +496,7 @@ def render(rows: Sequence[Row], command: str, seconds: float, rounds: int, trace
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "vLLM column: vLLM 0.33's in-process core as published in DESIGN.md section 6 (not measured in this",
+        "vLLM column: vLLM 0.33's in-process core as recorded in docs/architecture.md (not measured in this",
         "run); the in-run comparison is the sha256_cbor re-implementation in section 4. vLLM / ours > 1: ours is",
         "faster or smaller. Decode excludes building the op list; replay excludes expanding trace ids into tokens",
         "(memoised first).",

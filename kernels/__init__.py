@@ -2,7 +2,7 @@
 
 Every kernel module exports a Triton launcher `<name>` and a torch
 reference `<name>_reference` with the same signature; `load(backend, device)`
-returns one of the two sets. Shapes (DESIGN.md section 4):
+returns one of the two sets. Shapes (docs/architecture.md, "Kernel shapes and the interpreter"):
 
 - KV cache of one layer: `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
   (index 0 of dim 1 is K, 1 is V).

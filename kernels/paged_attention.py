@@ -21,6 +21,10 @@ given back may hold anything, NaN included.
 (the "torch" backend on a CPU); both take the same arguments. `paged_attention_config` is the
 one place launch parameters are chosen, and `paged_attention_launches` the exact launches the
 launcher makes, so that an offline compile for a GPU builds what runs on it.
+
+It stays one module past 450 lines: the two kernels, the config, the launch list, the launcher
+and the reference share the tile and split parameters and the position rules above, and are read
+together. A second attention kernel would be the point to move config and launch planning out.
 """
 
 from __future__ import annotations

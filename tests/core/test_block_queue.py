@@ -107,7 +107,7 @@ def test_append_and_prepend_into_an_empty_queue() -> None:
 QUEUE_OPS = st.tuples(st.sampled_from(["popleft", "popleft_n", "remove", "append", "prepend"]), st.integers(0, 5))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(ops=st.lists(QUEUE_OPS, max_size=40))
 def test_queue_matches_a_list_model(ops: list[tuple[str, int]]) -> None:
     queue, blocks = make_queue(8)

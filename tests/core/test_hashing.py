@@ -1,6 +1,6 @@
 """Chained block hashes: byte-compatible sha256_cbor, extra keys, seeds, xxh3_128.
 
-The reference implementation here is written from DESIGN.md section 2 with
+The reference implementation here is written from docs/architecture.md ("Block hashing") with
 `cbor2` (canonical) and `hashlib`, independently of the fast encoder.
 """
 
@@ -141,7 +141,7 @@ def test_hashes_do_not_depend_on_the_process() -> None:
 
 
 @pytest.mark.parametrize("encoder", sorted(ENCODERS))
-@settings(max_examples=120, deadline=None)
+@settings(deadline=None)
 @given(data=st.data(), block_size=st.integers(1, 16), token_ids=st.lists(TOKEN_IDS, max_size=64))
 def test_fast_encoder_equals_cbor2(encoder: str, data: st.DataObject, block_size: int, token_ids: list[int]) -> None:
     extras = data.draw(st.just(HashExtras()) | extras_for(len(token_ids)))
@@ -151,7 +151,7 @@ def test_fast_encoder_equals_cbor2(encoder: str, data: st.DataObject, block_size
     assert chain == reference_chain(token_ids, block_size, extras)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(token_ids=st.lists(TOKEN_IDS, min_size=1, max_size=16), extra=st.none() | st.lists(st.text(), max_size=2))
 def test_hash_block_equals_cbor2(token_ids: list[int], extra: list | None) -> None:
     hasher = BlockHasher(len(token_ids))
@@ -175,7 +175,7 @@ def test_trailing_partial_block_is_not_hashed() -> None:
     assert hasher.hash_blocks(hasher.root_hash, [1, 2, 3]) == []
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(data=st.data(), token_ids=st.lists(TOKEN_IDS, min_size=8, max_size=40))
 def test_hashing_a_suffix_from_its_parent_continues_the_chain(data: st.DataObject, token_ids: list[int]) -> None:
     block_size = 4
@@ -230,7 +230,7 @@ CBOR_VALUES = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=2 * settings.default.max_examples, deadline=None)
 @given(value=CBOR_VALUES)
 def test_cbor_encode_equals_cbor2_canonical(value: object) -> None:
     assert cbor.encode(value) == cbor2.dumps(value, canonical=True)
@@ -285,7 +285,7 @@ def test_manager_with_xxh3_finds_prefix_hits() -> None:
 # -- incremental hashing through the manager ---------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(
     data=st.data(),
     sequence=st.lists(TOKEN_IDS, min_size=2, max_size=40),

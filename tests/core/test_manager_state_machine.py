@@ -64,10 +64,11 @@ MAX_MODEL_LEN = 40
 MAX_NUM_REQUESTS = 8
 LORA = LoraRef("adapter", "/adapters/a")
 
+# Runs and steps per run scale with the loaded hypothesis profile (tests/conftest.py). A run is a
+# sequence of up to `stateful_step_count` calls, so a machine takes half the profile's example count.
 # No explain phase and one bug per report: a failing machine reports in seconds, not minutes.
 MACHINE_SETTINGS = settings(
-    max_examples=100,
-    stateful_step_count=40,
+    max_examples=max(1, settings.default.max_examples // 2),
     deadline=None,
     report_multiple_bugs=False,
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
@@ -76,7 +77,7 @@ MACHINE_SETTINGS = settings(
     suppress_health_check=(HealthCheck.filter_too_much, HealthCheck.too_slow),
 )
 # Multi-group configs get more runs: cross-group interactions need rarer states.
-MULTI_GROUP_SETTINGS = settings(MACHINE_SETTINGS, max_examples=200)
+MULTI_GROUP_SETTINGS = settings(MACHINE_SETTINGS, max_examples=2 * MACHINE_SETTINGS.max_examples)
 
 
 def cache_map_entries(manager: KVCacheManager) -> Counter:

@@ -18,7 +18,7 @@ def test_the_hasher_uses_the_c_encoder_when_built():
     assert hashing.encode_blocks is c_encoder.encode_blocks
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=2 * settings.default.max_examples, deadline=None)
 @given(st.lists(token_ids, max_size=70), st.integers(1, 9), st.binary(max_size=3), st.binary(max_size=3))
 def test_c_and_python_encoders_agree(tokens, block_size, head, tail):
     num_blocks = len(tokens) // block_size

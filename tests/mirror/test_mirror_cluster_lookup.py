@@ -105,7 +105,7 @@ def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(re
 
 def test_hybrid_pool_cluster_answer_agrees_with_what_the_replica_would_reuse(redis_server, replicas):
     """Two full-attention groups of 48- and 32-token blocks: a hit is reported on lcm = 96 token
-    boundaries, where both groups agree (DESIGN.md section 2). The cluster answer for a replica must
+    boundaries, where both groups agree (docs/architecture.md, "Hit alignment"). The cluster answer for a replica must
     not promise more than that replica would reuse, nor disagree with its own answer for itself."""
     config = {
         "num_blocks": 64,
