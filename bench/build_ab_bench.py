@@ -6,7 +6,9 @@ and from a baseline checkout (another commit), admits the same 256 requests
 of 1,000 tokens on each, then alternates rounds of back-to-back columnar
 decode Steps (the request `rpc_bench.py` times as "256-op Step"), switching
 the order every round. It reports each build's median p50 and p99 over
-rounds, and the median of the per-round ratios (this tree / baseline).
+rounds, the server process's CPU time per Step (less sensitive than wall time
+to other load on the machine), and the medians of the per-round ratios
+(this tree / baseline).
 
 The baseline is any checkout with its generated protos and C encoder built:
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bench_stats import Series, fmt
+from process_cpu import cpu_s
 from rpc_bench import BLOCK_SIZE, PROMPT_LEN, Workload, admit_rpc, check_decode, make_client, timed_calls
 
 from kv_manager_service.rpc.launch import LaunchedProcess, launch
@@ -71,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     builds = {"baseline": args.baseline.resolve(), "this tree": ROOT}
     series = {name: Series() for name in builds}
     ratios: list[float] = []
+    cpu_ms = {name: [] for name in builds}  # server CPU ms per Step, per round
+    cpu_ratios: list[float] = []
     work = Workload("ab", NUM_REQUESTS, random.Random(0))
     with tempfile.TemporaryDirectory() as directory:
         servers = {name: start(tree, num_blocks, Path(directory) / f"{i}.log") for i, (name, tree) in enumerate(builds.items())}
@@ -83,15 +88,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 p50 = {}
                 for name in order:
                     stub = clients[name].stub
+                    cpu_before = cpu_s(servers[name].pid)
                     samples = timed_calls(
                         lambda i: stub.Step(work.decode_requests[i % len(work.decode_requests)], timeout=30),
                         lambda r: check_decode(r, NUM_REQUESTS),
                         args.warmup,
                         args.steps,
                     )
+                    cpu_ms[name].append((cpu_s(servers[name].pid) - cpu_before) * 1e3 / (args.warmup + args.steps))
                     series[name].add_samples(samples)
                     p50[name] = statistics.median(samples)
                 ratios.append(p50["this tree"] / p50["baseline"])
+                cpu_ratios.append(cpu_ms["this tree"][-1] / cpu_ms["baseline"][-1])
                 print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
                     f"{name} {p50[name] / 1e6:.2f} ms" for name in builds), file=sys.stderr, flush=True)  # fmt: skip
             for client in clients.values():
@@ -104,15 +112,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"256-request decode Step round trip (columnar), {args.rounds} alternating rounds of {args.steps} Steps")
     print(f"command: {command}")
     print()
-    print("| build | commit | p50 ms (median over rounds) | p50 spread | p99 ms |")
-    print("|---|---|---:|---:|---:|")
+    print("| build | commit | p50 ms (median over rounds) | p50 spread | p99 ms | server CPU ms per Step |")
+    print("|---|---|---:|---:|---:|---:|")
     for name, tree in builds.items():
         s = series[name]
         print(f"| {name} | {commit_of(tree)} | {fmt(statistics.median(s.p50))} | "
-              f"{fmt(min(s.p50))}-{fmt(max(s.p50))} | {fmt(statistics.median(s.p99))} |")  # fmt: skip
+              f"{fmt(min(s.p50))}-{fmt(max(s.p50))} | {fmt(statistics.median(s.p99))} | "
+              f"{fmt(statistics.median(cpu_ms[name]))} |")  # fmt: skip
     print()
-    print(f"ratio this tree / baseline, p50, median of per-round ratios: {statistics.median(ratios):.3f} "
-          f"(rounds: {min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
+    for label, values in (("p50 round trip", ratios), ("server CPU per Step", cpu_ratios)):
+        print(f"ratio this tree / baseline, {label}, median of per-round ratios: {statistics.median(values):.3f} "
+              f"(rounds: {min(values):.3f}-{max(values):.3f})")  # fmt: skip
+    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 
