@@ -1,12 +1,15 @@
 # gpu-worker, and `kv-manager demo`: the project with its worker and demo extras.
 #
 #   docker build -f docker/worker.Dockerfile -t kv-manager-worker:cpu .
-#   docker build -f docker/worker.Dockerfile --build-arg TORCH_VARIANT=cu128 -t kv-manager-worker:cu128 .
+#   docker build -f docker/worker.Dockerfile --build-arg TORCH_VARIANT=cu130 -t kv-manager-worker:cu130 .
 #
 # TORCH_VARIANT names the PyTorch wheel index torch comes from: `cpu` (the
 # default: the CPU build, at the version constraints/cpu.txt pins) or a CUDA
-# one (cu126, cu128, ...; docker-compose.gpu.yml sets it). The CUDA wheels
-# bring their CUDA libraries; the host needs the NVIDIA driver and the NVIDIA
+# one (cu126, cu130; docker-compose.gpu.yml sets it), with torch and Triton at
+# the versions constraints/cuda.txt pins. Every pip install of the image takes
+# the variant's constraints, so the project's own install cannot move them.
+# The CUDA wheels bring their CUDA libraries and Triton its ptxas; the host
+# needs the NVIDIA driver (docker/README.md gives the minimum) and the NVIDIA
 # Container Toolkit.
 
 FROM python:3.11-slim-bookworm
@@ -25,13 +28,15 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /app
 # torch first, in its own layer: source changes do not download it again.
 COPY constraints/ constraints/
-RUN if [ "$TORCH_VARIANT" = cpu ]; then pin="-c constraints/cpu.txt"; else pin=""; fi \
-    && pip install --no-cache-dir $pin --index-url "https://download.pytorch.org/whl/$TORCH_VARIANT" torch
+RUN if [ "$TORCH_VARIANT" = cpu ]; then cp constraints/cpu.txt /opt/venv/constraints.txt; \
+    else cp constraints/cuda.txt /opt/venv/constraints.txt; fi \
+    && pip install --no-cache-dir -c /opt/venv/constraints.txt \
+        --index-url "https://download.pytorch.org/whl/$TORCH_VARIANT" torch
 
 # Installed in place (editable), as in a checkout: the demo reads the trace
 # from data/ beside the packages.
 COPY . .
-RUN pip install --no-cache-dir -e ".[worker,demo]"
+RUN pip install --no-cache-dir -c /opt/venv/constraints.txt -e ".[worker,demo]"
 
 COPY docker/grpc_health_check.py /usr/local/bin/grpc-health-check
 RUN chmod 755 /usr/local/bin/grpc-health-check \

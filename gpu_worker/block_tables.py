@@ -4,17 +4,22 @@ Each live request owns one row index, the same in every group, from the
 step that adds it until the step that frees it; freed rows are reused. A
 row only ever changes from an index on (`update`): blocks appended, or a
 copy-on-write block replacing a shared one, exactly as the manager's
-StepDeltas describe. Rows live in CPU int32 buffers and are mirrored to the
-device before compute (`batch`). The buffers start small and double when a
-request or a table needs more, up to the manager's limits.
+StepDeltas describe. Rows live in CPU int32 buffers (pinned when the device
+is CUDA) and are mirrored to the device before compute: `stage` puts the rows
+changed since the last mirror, and the batch's row indices, into the step's
+`Staging` buffer, so they travel in the step's one host-to-device copy, and
+`StagedBatch.tables` then updates the device tables and gathers the batch's
+rows there. The buffers start small and double when a request or a table
+needs more, up to the manager's limits.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
+from gpu_worker.staging import StagedArray, Staging
 from kv_manager_service.rpc.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
 
 
@@ -67,14 +72,28 @@ class BlockTables:
 
     def batch(self, request_ids: Sequence[str]) -> list[torch.Tensor]:
         """Per group, the int32 `[len(request_ids), max_blocks]` table of this batch, on the device."""
-        self._sync()
+        staging = Staging()
+        staged = self.stage(request_ids, staging)
+        staging.to(self.device)
+        return staged.tables()
+
+    def stage(self, request_ids: Sequence[str], staging: Staging) -> StagedBatch:
+        """Add the batch's row indices, and the rows changed since the last mirror, to `staging`.
+
+        Raises RequestNotFoundError (nothing staged) for a request with no
+        table. The changed rows are read from the host buffers when `staging`
+        is moved; they count as mirrored once `StagedBatch.tables` has run.
+        """
         rows = [self._row(request_id) for request_id in request_ids]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        tables = []
-        for group, table in enumerate(self.on_device):
-            width = max(self.lengths[group][row] for row in rows)
-            tables.append(table.index_select(0, index)[:, : max(width, 1)])
-        return tables
+        widths = [max(max(lengths[row] for row in rows), 1) for lengths in self.lengths]
+        changed = None
+        if self.on_device is self.host:
+            self.dirty_rows.clear()  # the device tables are the host ones
+        elif self.dirty_rows:
+            dirty = sorted(self.dirty_rows)
+            contents = [staging.add_rows(host, dirty) for host in self.host]
+            changed = ChangedRows(dirty, staging.add(dirty, torch.int64), contents)
+        return StagedBatch(self, staging.add(rows, torch.int64), widths, changed)
 
     def _row(self, request_id: str) -> int:
         try:
@@ -90,15 +109,6 @@ class BlockTables:
             self.host[group][row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
         self.lengths[group][row] = end
         self.dirty_rows.add(row)
-
-    def _sync(self) -> None:
-        """Copy the rows changed since the last sync to the device (nothing to do on a CPU)."""
-        if self.dirty_rows and self.on_device is not self.host:
-            index = torch.tensor(sorted(self.dirty_rows), dtype=torch.int64)
-            device_index = index.to(self.device)
-            for host, device in zip(self.host, self.on_device):
-                device.index_copy_(0, device_index, host.index_select(0, index).to(self.device, non_blocking=True))
-        self.dirty_rows.clear()
 
     def _alloc(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros((rows, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -126,4 +136,33 @@ class BlockTables:
         new[: old.shape[0], : old.shape[1]] = old
         self.host[group] = new
         if self.on_device is not self.host:
-            self.on_device[group] = new.to(self.device)
+            self.on_device[group] = new.to(self.device, copy=True)  # blocking: `new` changes with the next delta
+
+
+class ChangedRows(NamedTuple):
+    """Rows of the host tables not yet mirrored on the device, as staged."""
+
+    rows: list[int]
+    index: StagedArray  # int64 [len(rows)]
+    contents: list[StagedArray]  # per group, int32 [len(rows), width of the group's table]
+
+
+class StagedBatch(NamedTuple):
+    """What `BlockTables.stage` added to a step's staging; `tables()` finishes on the device."""
+
+    owner: BlockTables
+    rows: StagedArray  # int64 [num_reqs]: each request's row
+    widths: list[int]  # per group, the longest table of the batch (at least 1)
+    changed: ChangedRows | None
+
+    def tables(self) -> list[torch.Tensor]:
+        """Per group, the batch's int32 `[num_reqs, width]` table on the device (after the staging moved).
+
+        First copies the staged changed rows into the device tables.
+        """
+        owner, index = self.owner, self.rows.tensor
+        if self.changed is not None:
+            for device, contents in zip(owner.on_device, self.changed.contents):
+                device.index_copy_(0, self.changed.index.tensor, contents.tensor)
+            owner.dirty_rows.difference_update(self.changed.rows)
+        return [table[:, :width].index_select(0, index) for table, width in zip(owner.on_device, self.widths)]

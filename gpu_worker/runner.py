@@ -4,6 +4,14 @@ The runner owns the KV tensors (one per layer) and the block tables. The
 service feeds it the manager's step deltas in order (`apply_step`), then the
 tokens of a step (`execute`); copies of a step are applied with its delta,
 before any compute that reads them.
+
+Host and device meet twice per step. Every small input (token ids, query
+starts, lengths, block-table rows, sampling parameters) goes over in one
+copy of a per-step staging buffer (`gpu_worker.staging`); positions and the
+rows whose logits are needed are derived on the device. Sampling runs on the
+device too, and only each request's token id and log-probability come back,
+in one copy. Whatever could be an illegal memory access on a GPU (a block id
+past the pool, aliasing copies) is checked on the host before it moves.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ import torch
 from gpu_worker.block_tables import BlockTables
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.sampling import SamplingParams, choose
+from gpu_worker.sampling import SampledRows, SamplingParams, noise_key, sample
+from gpu_worker.staging import StagedArray, Staging
 from kernels import KernelSet
+from kernels.copy_checks import check_copies
 from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError
 from kvcache.v1 import kv_manager_pb2 as pb
 
@@ -106,8 +116,14 @@ class ModelRunner:
         return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
 
     def apply_step(self, delta: pb.StepDelta) -> None:
-        """The table changes and block copies of one step, which must be the next one."""
+        """The table changes and block copies of one step, which must be the next one.
+
+        Raises FailedPreconditionError, having changed nothing (tables, KV,
+        last_applied_step_id), when the delta names a group or a block id
+        outside the pool, or its copies alias (see `check_copies`).
+        """
         assert delta.step_id > self.last_applied_step_id, (delta.step_id, self.last_applied_step_id)
+        copies = self._check_delta(delta)
         tables = self.tables
         for row in delta.rows_added:
             per_group = [[] for _ in self.pool.groups]
@@ -118,9 +134,11 @@ class ModelRunner:
             tables.update(update.request_id, update.group_id, update.new_block_index, update.block_ids)
         for request_id in delta.requests_freed:
             tables.remove(request_id)
-        if delta.copies:
-            copies = torch.tensor([(c.src_block_id, c.dst_block_id) for c in delta.copies], dtype=torch.int64)
-            self.kernels.copy_blocks(self.kv_caches, copies.to(self.device))
+        if copies:
+            staging = Staging()
+            staged = staging.add([block_id for pair in copies for block_id in pair], torch.int64, (len(copies), 2))
+            staging.to(self.device)
+            self.kernels.copy_blocks(self.kv_caches, staged.tensor)
         self.last_applied_step_id = delta.step_id
 
     def execute(self, requests: Sequence[ScheduledRequest]) -> list[RequestOutput]:
@@ -130,24 +148,30 @@ class ModelRunner:
         has no table here or its tokens run past its blocks.
         """
         self._check(requests)
-        device = self.device
         token_ids: list[int] = []
-        positions: list[int] = []
         query_start_loc = [0]
         seq_lens = []
-        for request in requests:
+        sampled = []
+        for index, request in enumerate(requests):
             token_ids.extend(request.token_ids)
-            end = request.start_position + len(request.token_ids)
-            positions.extend(range(request.start_position, end))
             query_start_loc.append(len(token_ids))
+            end = request.start_position + len(request.token_ids)
             seq_lens.append(end)
-        tokens = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
-        starts = torch.tensor(query_start_loc, dtype=torch.int32, device=device)
-        lengths = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        block_tables = self.tables.batch([r.request_id for r in requests])
+            if request.sampling.temperature > 0:
+                sampled.append((index, request.sampling, end))
+        staging = Staging()
+        staged_tokens = staging.add(token_ids, torch.int64)
+        staged_starts = staging.add(query_start_loc, torch.int32)
+        staged_lengths = staging.add(seq_lens, torch.int32)
+        staged_tables = self.tables.stage([r.request_id for r in requests], staging)
+        staged_sampling = _stage_sampling(sampled, staging)
+        staging.to(self.device)
+
+        tokens, starts, lengths = staged_tokens.tensor, staged_starts.tensor, staged_lengths.tensor
+        block_tables = staged_tables.tables()
+        positions = batch_positions(starts, lengths, len(token_ids))
         slot_mappings = [
-            self.kernels.slot_mapping(table, starts, position_tensor, group.block_size)
+            self.kernels.slot_mapping(table, starts, positions, group.block_size)
             for table, group in zip(block_tables, self.pool.groups)
         ]
 
@@ -159,14 +183,42 @@ class ModelRunner:
                 query, cache, block_tables[group], starts, lengths, self.scale, self.pool.groups[group].sliding_window
             )
 
-        hidden = self.model.forward(tokens, position_tensor, paged_attention)
-        last_rows = torch.tensor(query_start_loc[1:], device=device) - 1
-        logits = self.model.logits(hidden[last_rows]).cpu()
-        outputs = []
-        for request, row, end in zip(requests, logits, seq_lens):
-            token_id, logprob = choose(row, request.sampling, end)
-            outputs.append(RequestOutput(request.request_id, token_id, logprob))
-        return outputs
+        hidden = self.model.forward(tokens, positions, paged_attention)
+        logits = self.model.logits(hidden.index_select(0, starts[1:] - 1))
+        chosen, logprobs = sample(logits, None if staged_sampling is None else staged_sampling.on_device())
+        # The step's one device-to-host copy; token ids are exact in float64.
+        chosen_ids, chosen_logprobs = torch.stack((chosen.double(), logprobs.double())).cpu().tolist()
+        return [
+            RequestOutput(request.request_id, int(token_id), logprob)
+            for request, token_id, logprob in zip(requests, chosen_ids, chosen_logprobs)
+        ]
+
+    def _check_delta(self, delta: pb.StepDelta) -> list[tuple[int, int]]:
+        """The delta's copies as (src, dst) pairs; FailedPreconditionError when the delta does not fit the pool."""
+        num_groups, num_blocks = len(self.pool.groups), self.pool.num_blocks
+        prefix = f"step {delta.step_id} does not fit this worker's pool, and none of it was applied"
+        changes = [
+            (f"rows_added[{i}].groups[{j}]", group)
+            for i, row in enumerate(delta.rows_added)
+            for j, group in enumerate(row.groups)
+        ]
+        changes += [(f"blocks_appended[{i}]", update) for i, update in enumerate(delta.blocks_appended)]
+        for field, change in changes:
+            if change.group_id >= num_groups:
+                raise FailedPreconditionError(
+                    f"{prefix}: {field} names group {change.group_id}, the pool has {num_groups}", f"{field}.group_id"
+                )
+            if change.block_ids and max(change.block_ids) >= num_blocks:
+                raise FailedPreconditionError(
+                    f"{prefix}: {field} holds block {max(change.block_ids)}, the pool has {num_blocks} blocks",
+                    f"{field}.block_ids",
+                )
+        copies = [(copy.src_block_id, copy.dst_block_id) for copy in delta.copies]
+        try:
+            check_copies(copies, num_blocks)
+        except ValueError as error:
+            raise FailedPreconditionError(f"{prefix}: {error}", "copies") from None
+        return copies
 
     def _check(self, requests: Sequence[ScheduledRequest]) -> None:
         if not requests:
@@ -191,6 +243,11 @@ class ModelRunner:
                     f"request {request.request_id!r}: temperature must be >= 0, got {request.sampling.temperature}",
                     f"{field}.sampling.temperature",
                 )
+            if not 0 <= request.sampling.seed < 1 << 64:
+                raise InvalidArgumentError(
+                    f"request {request.request_id!r}: seed must be a uint64, got {request.sampling.seed}",
+                    f"{field}.sampling.seed",
+                )
             end = request.start_position + len(request.token_ids)
             for group in self.pool.groups:
                 capacity = self.tables.num_blocks(request.request_id, group.group_id) * group.block_size
@@ -200,3 +257,40 @@ class ModelRunner:
                         f"{capacity} slots its group-{group.group_id} table holds at step {self.last_applied_step_id}",
                         f"{field}.start_position",
                     )
+
+
+def batch_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int64 `[num_tokens]`: the position of each token of a batch, derived on the tensors' device.
+
+    Request r's tokens are `query_start_loc[r]:query_start_loc[r + 1]` (at
+    least one) and its last one sits at position `seq_lens[r] - 1`, so token
+    t of request r sits at `t + seq_lens[r] - query_start_loc[r + 1]`.
+    `num_tokens` (the host's `query_start_loc[-1]`) spares the device a sync.
+    """
+    if num_tokens == seq_lens.shape[0]:  # one token per request: a decode step
+        return (seq_lens - 1).to(torch.int64)
+    offsets = (seq_lens - query_start_loc[1:]).to(torch.int64)
+    per_token = offsets.repeat_interleave(query_start_loc.diff(), output_size=num_tokens)
+    return per_token + torch.arange(num_tokens, dtype=torch.int64, device=seq_lens.device)
+
+
+class _StagedSampling(NamedTuple):
+    """The arrays of `SampledRows`, staged."""
+
+    rows: StagedArray
+    temperatures: StagedArray
+    noise_keys: StagedArray
+
+    def on_device(self) -> SampledRows:
+        return SampledRows(self.rows.tensor, self.temperatures.tensor, self.noise_keys.tensor)
+
+
+def _stage_sampling(sampled: Sequence[tuple[int, SamplingParams, int]], staging: Staging) -> _StagedSampling | None:
+    """Stage the (row, params, position of the new token) of every sampling request; None when every row is greedy."""
+    if not sampled:
+        return None
+    return _StagedSampling(
+        staging.add([row for row, _, _ in sampled], torch.int64),
+        staging.add([params.temperature for _, params, _ in sampled], torch.float32),
+        staging.add([noise_key(params.seed, position) for _, params, position in sampled], torch.int64),
+    )

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -15,8 +16,9 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import kernels
+from gpu_worker.memory_budget import check_device_memory
 from gpu_worker.model import LlamaModel
-from gpu_worker.model_config import resolve_model
+from gpu_worker.model_config import ModelConfig, resolve_model
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
 from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, WorkerServicer
 from gpu_worker.step_follower import StepFollower
@@ -87,6 +89,21 @@ def pool_shape(config: manager_pb.GetConfigResponse) -> PoolShape:
     return PoolShape(config.num_blocks, tuple(groups), config.max_model_len, config.max_num_requests)
 
 
+def warm_up_kernels(model_config: ModelConfig, pool: PoolShape, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile every Triton kernel variant the worker can launch (or load it from TRITON_CACHE_DIR), before serving."""
+    # Imported here, not at the top: importing the kernel modules fixes Triton's reading of
+    # TRITON_INTERPRET, which `kernels.load` must get to first.
+    from kernels.warmup import KernelShapes, warm_up
+
+    shapes = KernelShapes(
+        model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, dtype,
+        tuple((group.block_size, group.sliding_window) for group in pool.groups), pool.max_model_len,
+    )  # fmt: skip
+    started = time.monotonic()
+    count = warm_up(shapes, device, log.info)
+    log.info("%d Triton kernel variants ready in %.1f s", count, time.monotonic() - started)
+
+
 @dataclasses.dataclass
 class RunningWorker:
     server: grpc.Server
@@ -125,11 +142,20 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         raise ConnectionError(f"the manager at {options.manager} refused GetConfig: {error.code().name}: {error.details()}") from None
 
     dtype = options.torch_dtype
+    budget = check_device_memory(model_config, pool, dtype, device)  # before anything is allocated there
+    if budget is not None:
+        log.info(
+            "%s: KV cache %.2f GiB + weights %.2f GiB + headroom %.2f GiB of %.2f GiB free; %d blocks would fit",
+            device, budget.kv_cache_bytes / 2**30, budget.weight_bytes / 2**30, budget.headroom_bytes / 2**30,
+            budget.free_bytes / 2**30, budget.max_num_blocks,
+        )  # fmt: skip
     if checkpoint is None:
         weights = random_weights(model_config, options.seed, dtype, device)
     else:
         weights = load_safetensors(checkpoint, model_config, dtype, device)
     runner = ModelRunner(LlamaModel(model_config, weights), pool, kernel_set, device, dtype)
+    if options.backend == "triton" and device.type == "cuda":  # the CPU interpreter has nothing to compile
+        warm_up_kernels(model_config, pool, dtype, device)
 
     # Start from the manager's present tables; follow every later step.
     snapshot = manager.block_tables()

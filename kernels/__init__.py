@@ -13,7 +13,13 @@ returns one of the two sets. Shapes (docs/architecture.md, "Kernel shapes and th
 
 Nothing here touches a GPU driver at import time. On a CPU, Triton kernels
 run only under `TRITON_INTERPRET=1`, which must be set before the kernel
-modules are imported: `load("triton", "cpu")` does it.
+modules are imported: `load("triton", "cpu")` does it. Triton reads the
+variable once, when a kernel module is imported, and builds interpreter or
+GPU kernels for the life of the process; `load("triton", "cuda")` refuses
+interpreter kernels, which would read device memory on the host.
+
+`kernels.warmup` compiles, before a worker serves, every kernel variant its
+model and pool can launch.
 """
 
 from __future__ import annotations
@@ -34,18 +40,31 @@ class KernelSet(NamedTuple):
 
 
 def load(backend: str, device: str) -> KernelSet:
-    """The kernels of `backend` ("torch" or "triton") for `device` ("cpu" or "cuda")."""
+    """The kernels of `backend` ("torch" or "triton") for `device` ("cpu" or "cuda").
+
+    Imports the kernel modules and touches no GPU driver. The Triton backend needs interpreter
+    kernels on a CPU (sets TRITON_INTERPRET=1 when no kernel module is imported yet) and GPU
+    kernels on CUDA; RuntimeError, naming TRITON_INTERPRET, when the process has the other kind.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        imported = [name for name in _KERNEL_MODULES if name in sys.modules]
-        if imported:
-            raise RuntimeError(
-                f"the Triton backend on a CPU needs TRITON_INTERPRET=1 before {imported[0]} is imported; "
-                "set it in the environment"
-            )
+    imported = [name for name in _KERNEL_MODULES if name in sys.modules]
+    if backend == "triton" and device == "cpu" and not imported:
         os.environ["TRITON_INTERPRET"] = "1"
     from kernels import copy_blocks, paged_attention, slot_mapping, store_kv
+
+    if backend == "triton" and device == "cpu" and not interpreting():
+        raise RuntimeError(
+            f"the Triton backend on a CPU needs TRITON_INTERPRET=1 before {imported[0]} is imported; "
+            "set it in the environment"
+        )
+    if backend == "triton" and device == "cuda" and interpreting():
+        raise RuntimeError(
+            "the Triton backend on CUDA needs GPU kernels, but TRITON_INTERPRET was set when the kernel modules "
+            f"were imported (it is {os.environ.get('TRITON_INTERPRET')!r} now): they are Triton's CPU interpreter "
+            "kernels, which would read device memory on the host. Start the process without TRITON_INTERPRET in its "
+            "environment"
+        )
 
     suffix = "_reference" if backend == "torch" else ""
     return KernelSet(
@@ -57,5 +76,11 @@ def load(backend: str, device: str) -> KernelSet:
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (upcast bf16 tiles there)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """True when this process's Triton kernels run in the CPU interpreter.
+
+    Imports the kernel modules: Triton builds their kernels then, as TRITON_INTERPRET says at
+    that moment, and the answer never changes afterwards, whatever the environment says later.
+    """
+    from kernels import paged_attention
+
+    return paged_attention.INTERPRETED

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.copy_checks import check_copies
+
 # Integer dtype of each element size: the kernel moves bits, never values.
 _BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_CHUNK = 4096
@@ -61,7 +63,9 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> None
     CPU or on the caches' device, ids in [0, num_blocks), destinations
     distinct and never a source of the same call. Only the destination
     blocks change. Ids and the precondition are checked when copies is on
-    the CPU (a check on a GPU would wait for the device). No copies: no-op.
+    the CPU (a check on a GPU would wait for the device; a caller that holds
+    the pairs on the host checks them first, with `kernels.copy_checks`).
+    No copies: no-op.
 
     Grid: (num_copies, num_layers).
     """
@@ -131,13 +135,6 @@ def _check_args(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> list
         )
     if copies.device.type != "cpu" and copies.device != first.device:
         raise ValueError(f"copies must be on the CPU or on the caches' device {first.device}, got {copies.device}")
-    if copies.device.type == "cpu" and copies.shape[0]:
-        num_blocks = first.shape[0]
-        if int(copies.min()) < 0 or int(copies.max()) >= num_blocks:
-            raise ValueError(f"copies must hold block ids in [0, {num_blocks}) (num_blocks)")
-        src, dst = copies[:, 0], copies[:, 1]
-        if dst.unique().numel() != dst.numel():
-            raise ValueError("copies must not repeat a destination block")
-        if bool(torch.isin(dst, src).any()):
-            raise ValueError("copies must not use a destination block as a source in the same call")
+    if copies.device.type == "cpu":
+        check_copies(copies.tolist(), first.shape[0])
     return layers

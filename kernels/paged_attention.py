@@ -19,8 +19,15 @@ given back may hold anything, NaN included.
 
 `paged_attention` is the Triton launcher and `paged_attention_reference` the torch version
 (the "torch" backend on a CPU); both take the same arguments. `paged_attention_config` is the
-one place launch parameters are chosen, and `paged_attention_launches` the exact launches the
-launcher makes, so that an offline compile for a GPU builds what runs on it.
+one place launch parameters are chosen, `paged_attention_launches` the exact launches the
+launcher makes, so that an offline compile for a GPU builds what runs on it, and
+`paged_attention_variants` every distinct pair of compiled kernels the launcher can choose, so
+that a worker compiles them all before it serves (`kernels.warmup`).
+
+Triton compiles a kernel once per combination of its constexprs, launch options and the
+specialisation of its other arguments (an int equal to 1 or divisible by 16 becomes a
+compile-time fact). Sizes that change from step to step (`num_reqs`, `num_kv_splits`, the block
+table's row stride) are therefore `do_not_specialize`: a new batch shape never compiles.
 
 It stays one module past 450 lines: the two kernels, the config, the launch list, the launcher
 and the reference share the tile and split parameters and the position rules above, and are read
@@ -35,8 +42,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-import kernels
+from triton.runtime.interpreter import InterpretedFunction
 
 _LOG2_E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,7 +63,7 @@ _MAX_KV_SPLITS = 32
 #
 # With one split the program writes acc / l. With several it writes acc / l and
 # lse = m + log2 l to fp32 buffers; `_merge_kv_splits_kernel` combines them.
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -202,12 +208,15 @@ def _paged_attention_kernel(
 
 
 # out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s; a split that saw no
-# key has lse = -inf and weight 0. One program: one token, BLOCK_H heads, all splits.
-@triton.jit
+# key has lse = -inf and weight 0. One program: one token, BLOCK_H heads, all splits. Programs
+# of tokens past query_start_loc[num_reqs] exit: their rows of `out` stay unwritten.
+@triton.jit(do_not_specialize=["num_reqs", "num_kv_splits"])
 def _merge_kv_splits_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    query_start_loc_ptr,
+    num_reqs,
     num_q_heads,
     num_kv_splits,
     stride_ot,
@@ -219,6 +228,8 @@ def _merge_kv_splits_kernel(
     SPLITS_P: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -239,6 +250,12 @@ def _merge_kv_splits_kernel(
         merged.to(out_ptr.dtype.element_ty),
         mask=h_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
     )
+
+
+# True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1
+# when it was imported: Triton decides then). The interpreter computes bf16 arithmetic wrongly,
+# so the launcher upcasts loaded tiles to fp32 exactly then; fixed once, at import.
+INTERPRETED: bool = isinstance(_paged_attention_kernel, InterpretedFunction)
 
 
 class PagedAttentionConfig(NamedTuple):
@@ -308,6 +325,41 @@ def paged_attention_config(
     return PagedAttentionConfig(block_m, block_q, block_n, num_warps, num_stages, num_kv_splits, merge_block_h, 4)
 
 
+def compile_variant(config: PagedAttentionConfig) -> PagedAttentionConfig:
+    """The config with the same compiled kernels as `config` whose `num_kv_splits` is a power of two.
+
+    The split count reaches the compiled kernels only as `splits > 1` (the main kernel's
+    WRITE_PARTIAL) and as the merge kernel's SPLITS_P, its next power of two (which also sets
+    `merge_block_h`); the count itself is a runtime argument that is never specialised.
+    """
+    return config._replace(num_kv_splits=triton.next_power_of_2(config.num_kv_splits))
+
+
+def paged_attention_variants(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, max_kv_len: int, dtype: torch.dtype
+) -> list[PagedAttentionConfig]:
+    """Every `compile_variant` of the configs `paged_attention_config` can choose, without repeats.
+
+    Covers every batch whose block table spans at most `max_kv_len` keys, any number of tokens
+    and requests, any SM count, with automatic splits (`num_kv_splits=None`). May hold a variant
+    no batch reaches (split counts are taken up to the cap whatever the SM count), never miss one.
+    """
+    max_splits = max(1, min(max_kv_len // _MIN_KEYS_PER_SPLIT, _MAX_KV_SPLITS))
+    split_counts = [1 << i for i in range(triton.next_power_of_2(max_splits).bit_length())]
+    # The tiles depend on the average query length only through next_power_of_2(avg * group),
+    # which grows with avg: the ends of each interval (2^k, 2^(k+1)] of avg, cut at max_kv_len,
+    # give every value it takes there.
+    ends = {n for k in range(max_kv_len.bit_length()) for n in (1 << k, (1 << k) + 1)}
+    avg_query_lens = sorted({n for n in ends if n <= max_kv_len} | {max_kv_len})
+    variants = {}
+    for avg_query_len in avg_query_lens:
+        for splits in split_counts:
+            config = paged_attention_config(avg_query_len, 1, num_q_heads, num_kv_heads, head_dim, max_kv_len,
+                                            num_sms=1, num_kv_splits=splits, dtype=dtype)
+            variants[compile_variant(config)] = None
+    return list(variants)
+
+
 def _head_dim_p(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -360,6 +412,11 @@ def _check_args(
         )
     if block_table.shape[0] < num_reqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_reqs} requests")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(
+            f"block_table must have unit stride along a row (block_table.stride(1) == 1), got strides "
+            f"{tuple(block_table.stride())}: pass block_table.contiguous()"
+        )
     if sliding_window < 0:
         raise ValueError(f"sliding_window must be >= 0 (0: no window), got {sliding_window}")
     if num_kv_splits is not None and num_kv_splits < 1:
@@ -422,7 +479,7 @@ def paged_attention_launches(
     merge = Launch(
         _merge_kv_splits_kernel,
         (num_tokens, triton.cdiv(num_q_heads, config.merge_block_h)),
-        (out, part_out, part_lse, num_q_heads, splits, *out.stride()),
+        (out, part_out, part_lse, query_start_loc, num_reqs, num_q_heads, splits, *out.stride()),
         dict(
             HEAD_DIM=head_dim,
             HEAD_DIM_P=head_dim_p,
@@ -448,7 +505,8 @@ def paged_attention(
 
     Needs, unchecked (checking would sync with the device): `0 <= query lengths <= seq_lens`,
     `seq_lens[r] <= block_table.shape[1] * block_size`, and the K/V of every position a token
-    sees already stored. Tokens past `query_start_loc[-1]` are left unwritten.
+    sees already stored. Tokens past `query_start_loc[-1]` are left unwritten. Checked: shapes,
+    dtypes, devices, and block table rows of unit stride (any row stride: a slice of a wider table).
     """
     sliding_window = sliding_window or 0  # None, as a group config without a window says
     _check_args(query, kv_cache, block_table, query_start_loc, seq_lens, sliding_window, num_kv_splits)
@@ -465,7 +523,7 @@ def paged_attention(
     )
     launches = paged_attention_launches(
         out, query, kv_cache, block_table, query_start_loc, seq_lens, scale, sliding_window, config,
-        upcast=kernels.interpreting(),
+        upcast=INTERPRETED,
     )
     for launch in launches:
         launch.kernel[launch.grid](*launch.args, **launch.kwargs)

@@ -22,7 +22,9 @@ import triton.language as tl
 _BLOCK = 1024
 
 
-@triton.jit
+# The sizes of a batch (and the table width, its row stride) change every step: never
+# specialised, so no batch shape compiles a new variant.
+@triton.jit(do_not_specialize=["block_table_stride_req", "num_reqs", "num_tokens", "num_slots", "num_search_steps"])
 def _slot_mapping_kernel(
     block_table_ptr,
     block_table_stride_req,

@@ -1,8 +1,12 @@
 """Process-wide test setup.
 
-Triton kernels run in the CPU interpreter unless a CUDA device is present.
-The switch is read when a kernel module is imported, so it is set here,
-before any test module imports one.
+The tests' device is decided here, once: `DEVICE` is "cuda" when this torch
+can use a CUDA device (`torch.cuda.is_available()`), otherwise "cpu". Tests
+take it from the `device` fixture, or import the constant when they need it
+at collection time (`from conftest import DEVICE`). On the CPU, Triton
+kernels run in the interpreter: `TRITON_INTERPRET=1` is read when a kernel
+module is imported, so it is set here, before any test module imports one. A
+GPU machine with a CPU build of torch therefore tests like a CPU machine.
 
 Hypothesis profiles, chosen with the `HYPOTHESIS_PROFILE` environment
 variable (or pytest's `--hypothesis-profile`, which wins):
@@ -21,11 +25,13 @@ than a fixed count, so `thorough` runs more everywhere.
 """
 
 import os
-import shutil
 
+import pytest
+import torch
 from hypothesis import settings
 
-if shutil.which("nvidia-smi") is None:
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Both profiles start from Hypothesis' own defaults, never from its derandomized
@@ -34,3 +40,9 @@ _HYPOTHESIS_DEFAULTS = settings.get_profile("default")
 settings.register_profile("default", _HYPOTHESIS_DEFAULTS, max_examples=100, stateful_step_count=40, deadline=None)
 settings.register_profile("thorough", _HYPOTHESIS_DEFAULTS, max_examples=1000, stateful_step_count=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "default")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """The device every test that computes uses: "cuda" when torch can use one, else "cpu"."""
+    return DEVICE

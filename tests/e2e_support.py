@@ -41,8 +41,12 @@ def start_stack(
     seed: int = 0,
     worker_args: Sequence[str] = (),
     manager_args: Sequence[str] = (),
+    device: str = "cpu",
 ) -> tuple[Stack, list[LaunchedProcess]]:
-    """`kv-manager serve` and `gpu-worker` as real processes, as a user starts them; `*_args` are extra flags."""
+    """`kv-manager serve` and `gpu-worker` as real processes, as a user starts them; `*_args` are extra flags.
+
+    The worker computes in float32 on `device` ("cpu" or "cuda"), the dtype of the dense oracle.
+    """
     config_path = directory / "pool.json"
     config_path.write_text(json.dumps(pool))
     processes = []
@@ -57,7 +61,8 @@ def start_stack(
         worker = launch(
             [
                 sys.executable, "-m", "gpu_worker.cli", "--manager", manager.address, "--port", "0",
-                "--device", "cpu", "--backend", backend, "--model", model, "--seed", str(seed), "--worker-id", "worker-0", *worker_args,
+                "--device", device, "--dtype", "float32", "--backend", backend, "--model", model, "--seed", str(seed),
+                "--worker-id", "worker-0", *worker_args,
             ],
             WORKER_READY_PREFIX,
             directory / "worker.log",

@@ -6,7 +6,7 @@
   a healthy dependency; each worker follows its own manager; the demo's
   replicas are exactly the manager/worker pairs; published ports reach
   something that listens; the GPU override changes only the workers' device
-  and backend.
+  and backend (and gives them a volume for Triton's compiled kernels).
 - Runs: the same commands as local processes (compose_support translates
   hosts and ports, nothing else), in dependency order: Redis, both managers,
   both workers, every healthcheck, then the demo on a small workload.
@@ -102,7 +102,11 @@ def test_gpu_override_changes_only_device_and_backend() -> None:
         assert gpu.pop("image") == worker_image != cpu.pop("image"), name
         devices = gpu.pop("deploy")["resources"]["reservations"]["devices"]
         assert [d["driver"] for d in devices] == ["nvidia"] and "gpu" in devices[0]["capabilities"], name
-        assert gpu == cpu, f"the GPU override changes more of {name} than its command, image and GPU"
+        # Triton's compiled kernels live on a named volume, kept across restarts.
+        (volume,) = gpu.pop("volumes")
+        source, target = volume.split(":")[:2]
+        assert source == "triton-cache" and gpu["environment"].pop("TRITON_CACHE_DIR").startswith(target + "/"), name
+        assert gpu == cpu, f"the GPU override changes more of {name} than its command, image, GPU and Triton cache"
     for name in DEMOS:  # one CUDA image serves the workers and the demo
         assert merged[name]["image"] == worker_image
         assert merged[name]["build"] == worker_build

@@ -1,4 +1,4 @@
-"""The worker's block tables: rows that follow the manager's deltas, growing on demand."""
+"""The worker's block tables: rows that follow the manager's deltas, grow on demand, and reach the device staged."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.block_tables import BlockTables
+from gpu_worker.staging import Staging
 from kv_manager_service.rpc.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
 
 CPU = torch.device("cpu")
@@ -39,3 +40,58 @@ def test_mistakes_are_typed():
         tables.num_blocks("zz", 0)
     with pytest.raises(FailedPreconditionError, match="past the 2"):
         tables.update("a", 0, 1, [2, 3])
+
+
+def mirrored(max_requests: int, max_blocks: list[int], **sizes: int) -> BlockTables:
+    """Tables whose device copy is a separate CPU tensor, as it is on a GPU: changes reach it only by staging."""
+    tables = BlockTables(max_requests, max_blocks, CPU, **sizes)
+    tables.on_device = [host.clone() for host in tables.host]
+    return tables
+
+
+def test_changed_rows_travel_with_the_batch_and_the_device_copy_follows_the_host():
+    tables = mirrored(max_requests=8, max_blocks=[10, 10], initial_rows=2, initial_width=2)
+    tables.add("a", [[1, 2], [3]])
+    tables.add("b", [[4], [5, 6]])
+    staging = Staging()
+    staged = tables.stage(["b", "a"], staging)
+    assert staged.changed is not None and staged.changed.rows == [0, 1]
+    staging.to(CPU)
+    batch = staged.tables()
+    assert batch[0].tolist() == [[4, 0], [1, 2]] and batch[1].tolist() == [[5, 6], [3, 0]]
+    assert not tables.dirty_rows
+
+    tables.update("a", 0, 2, [7, 8, 9])  # grows the width: the device copy is replaced whole
+    tables.add("c", [[13], [14]])  # grows the rows
+    tables.remove("b")
+    tables.add("d", [[15], [16]])  # b's row, reused
+    staging = Staging()
+    staged = tables.stage(["d", "a", "c"], staging)
+    staging.to(CPU)
+    batch = staged.tables()
+    assert batch[0].tolist() == [[15, 0, 0, 0, 0], [1, 2, 7, 8, 9], [13, 0, 0, 0, 0]]
+    assert batch[1].tolist() == [[16], [3], [14]]
+    for host, device in zip(tables.host, tables.on_device):
+        assert device is not host and torch.equal(host, device)
+
+    tables.update("c", 1, 1, [17])
+    assert tables.batch(["c"])[1].tolist() == [[14, 17]]  # `batch` stages and moves by itself
+
+
+def test_rows_staged_but_never_moved_stay_changed():
+    tables = mirrored(max_requests=4, max_blocks=[4])
+    tables.add("a", [[1]])
+    tables.stage(["a"], Staging())  # the step failed before its staging moved
+    assert tables.dirty_rows == {0}
+    assert tables.batch(["a"])[0].tolist() == [[1]]
+    assert not tables.dirty_rows
+
+
+def test_a_cpu_device_needs_no_mirror():
+    tables = BlockTables(max_requests=4, max_blocks=[4], device=CPU)
+    tables.add("a", [[1, 2]])
+    staging = Staging()
+    staged = tables.stage(["a"], staging)
+    assert staged.changed is None and not tables.dirty_rows
+    staging.to(CPU)
+    assert staged.tables()[0].tolist() == [[1, 2]]

@@ -4,8 +4,10 @@ Each configuration runs the same three scenarios: a batch of greedy
 generations, a prefix-cache hit that computes only the uncached tail, and a
 fork whose children copy-on-write their shared last block and then sample
 differently. Every generated token must equal the dense model's choice for
-the tokens before it. The Triton configuration runs the kernels in the CPU
-interpreter on a tiny model.
+the tokens before it. The worker runs in float32 on the tests' device (CUDA
+when torch has one) and the dense pass on the CPU. Without CUDA the Triton
+configuration runs the kernels in the CPU interpreter on a tiny model; the
+`gpu` configuration, Triton on the small model, runs only on CUDA.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import random
 
 import pytest
+from conftest import DEVICE
 from e2e_support import DenseOracle, greedy, start_stack, stop_stack
 
 from reference_scheduler import Sampling
@@ -31,13 +34,19 @@ CONFIGS = {
     "torch-small": ("torch", "small", FULL),
     "torch-tiny-swa": ("torch", "tiny-swa", HYBRID),
     "triton-tiny-swa": ("triton", "tiny-swa", HYBRID),
+    "triton-small": ("triton", "small", FULL),
 }
+NEEDS_CUDA = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: the small model is too slow in Triton's CPU interpreter"),
+]
+PARAMS = [pytest.param(name, marks=NEEDS_CUDA if name == "triton-small" else ()) for name in CONFIGS]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def setup(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=PARAMS)
+def setup(request, tmp_path_factory, device):
     backend, model, pool = CONFIGS[request.param]
-    stack, processes = start_stack(tmp_path_factory.mktemp(request.param), model, backend, pool, seed=7)
+    stack, processes = start_stack(tmp_path_factory.mktemp(request.param), model, backend, pool, seed=7, device=device)
     oracle = DenseOracle(model, seed=7)
     try:
         yield stack, oracle

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 from sm90_support import compile_for_sm90
 
-from kernels import interpreting
 from kernels.copy_blocks import _MAX_CHUNK, _copy_blocks_kernel, copy_blocks, copy_blocks_reference
 
-# Under the interpreter kernels take CPU tensors; on a CUDA machine, GPU ones.
-# Bad-argument tests stay on the CPU: they raise before any launch.
-DEVICE = "cpu" if interpreting() else "cuda"
+# Kernels run on DEVICE; bad-argument tests stay on the CPU: they raise before any launch.
 
 IMPLS = [copy_blocks, copy_blocks_reference]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 
 import kernels
 from kernels.paged_attention import (
@@ -21,8 +22,6 @@ from kernels.paged_attention import (
     paged_attention_launches,
     paged_attention_reference,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (atol, rtol) of the kernel against the reference, per dtype.
 TOLERANCES = {
@@ -242,3 +241,36 @@ def test_reference_checks_lengths():
         paged_attention_reference(**_bad(batch, "seq_lens", batch.seq_lens - 19))
     with pytest.raises(ValueError, match="block_table row"):
         paged_attention_reference(**_bad(batch, "seq_lens", batch.seq_lens + 64))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_rows_past_the_last_token_stay_unwritten(num_kv_splits):
+    """A query padded past query_start_loc[-1]: neither kernel writes the padded rows of `out`."""
+    batch = Batch(DECODE, 8, 2, 16, torch.float32)
+    num_tokens, padding = batch.query.shape[0], 5
+    batch.query = torch.cat([batch.query, torch.randn((padding, 8, 16), device=DEVICE)])
+    config = paged_attention_config(num_tokens + padding, len(DECODE), 8, 2, 16, max_kv_len=64 * 16, num_sms=1,
+                                    num_kv_splits=num_kv_splits, dtype=torch.float32)
+    sentinel = 7.25  # not NaN: a row computed from unwritten split buffers may well be NaN itself
+    out = torch.full_like(batch.query, sentinel)
+    launches = paged_attention_launches(out, *batch.args()[:6], batch.sliding_window, config,
+                                        upcast=kernels.interpreting())
+    assert len(launches) == (2 if num_kv_splits > 1 else 1)
+    for launch in launches:
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    assert bool((out[num_tokens:] == sentinel).all()), "a kernel wrote rows past the last token"
+    assert_close(out[:num_tokens], paged_attention_reference(*batch.args())[:num_tokens])
+
+
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_reference])
+def test_block_table_rows_must_have_unit_stride(attention):
+    batch = Batch([(2, 40), (1, 20)], 4, 2, 16, torch.float32)
+    expected = attention(*batch.args())
+    strided = batch.block_table.t().contiguous().t()  # the same table, column-major
+    assert strided.stride(1) != 1
+    with pytest.raises(ValueError, match=r"block_table\.stride\(1\) == 1"):
+        attention(**_bad(batch, "block_table", strided))
+    # Rows sliced from a wider table (row stride > width) are fine.
+    wide = torch.cat([batch.block_table, torch.zeros_like(batch.block_table)], dim=1)
+    sliced = wide[:, : batch.block_table.shape[1]]
+    torch.testing.assert_close(attention(**_bad(batch, "block_table", sliced)), expected, atol=0, rtol=0)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 from sm90_support import compile_for_sm90
 
-from kernels import interpreting
 from kernels.slot_mapping import _BLOCK, _slot_mapping_kernel, slot_mapping, slot_mapping_reference
 
-# Under the interpreter kernels take CPU tensors; on a CUDA machine, GPU ones.
-# Bad-argument tests stay on the CPU: they raise before any launch.
-DEVICE = "cpu" if interpreting() else "cuda"
+# Kernels run on DEVICE; bad-argument tests stay on the CPU: they raise before any launch.
 
 IMPLS = [slot_mapping, slot_mapping_reference]
 BLOCK_SIZES = [1, 8, 16]
@@ -120,6 +118,7 @@ def test_kernel_compiles_for_sm90(tmp_path) -> None:
     """The interpreter accepts what a GPU compiler refuses."""
     signature = {name: "i32" for name in _slot_mapping_kernel.arg_names}
     signature.update(block_table_ptr="*i32", query_start_loc_ptr="*i32", positions_ptr="*i64", slots_ptr="*i64")
-    ones = {"num_reqs": 1, "block_size": 1, "positions_stride": 1, "query_start_loc_stride": 1}
-    variants = [{"BLOCK": _BLOCK}, {"BLOCK": _BLOCK, "num_search_steps": 0, **ones}]
+    # num_reqs, num_tokens, num_slots, num_search_steps and the row stride are never specialised.
+    ones = {"block_size": 1, "positions_stride": 1, "query_start_loc_stride": 1}
+    variants = [{"BLOCK": _BLOCK}, {"BLOCK": _BLOCK, **ones}]
     compile_for_sm90(_slot_mapping_kernel, signature, variants, tmp_path)

@@ -1,0 +1,146 @@
+"""The worker's host-side cost per decode step: preparing the inputs, and sampling.
+
+Runs the `ModelRunner` in-process on the CPU with the torch kernels and a
+small decoder (2 layers, hidden 64) whose vocabulary has a realistic size, so
+that the lm_head and the sampler see the logits of a real model while the
+layers cost little. Every request decodes one token per step from a context
+of `--context` tokens whose blocks are all in its table.
+
+Each step is split at the model's calls:
+
+- prepare: from `execute` to the start of the forward pass (checks, the
+  batch's tensors, block tables, slot mappings);
+- sampling: from the end of the logits matmul to the return of `execute`
+  (log-softmax, the choice of each token, moving the results to the host);
+- execute: the whole call.
+
+Figures are the p50 over `--steps` steps (after `--warmup` steps), in ms.
+
+    python bench/worker_step_bench.py                              # vocab 32000 and 128256, batch 1/32/256
+    python bench/worker_step_bench.py --vocab 128256 --batch 256 --temperature 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels
+from gpu_worker.model import LlamaModel
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledRequest
+from gpu_worker.sampling import SamplingParams
+from gpu_worker.weights import random_weights
+from kvcache.v1 import kv_manager_pb2 as pb
+
+BLOCK_SIZE = 16
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="decode rows per step")
+    parser.add_argument(
+        "--temperature", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures (0: greedy)"
+    )
+    parser.add_argument("--context", type=int, default=128, help="tokens already in each request's cache")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    return parser
+
+
+class StepClock:
+    """Wraps a model's `forward` and `logits` to stamp when they start and end."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.forward_start = self.logits_end = 0.0
+        model.forward = self._stamp_start(model.forward)
+        model.logits = self._stamp_end(model.logits)
+
+    def _stamp_start(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapped(*args: object) -> torch.Tensor:
+            self.forward_start = time.perf_counter()
+            return fn(*args)
+
+        return wrapped
+
+    def _stamp_end(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrapped(*args: object) -> torch.Tensor:
+            out = fn(*args)
+            self.logits_end = time.perf_counter()
+            return out
+
+        return wrapped
+
+
+def build_runner(vocab_size: int, batch: int, num_positions: int) -> ModelRunner:
+    """A CPU runner whose `batch` requests `r0..` each hold blocks for `num_positions` positions."""
+    config = ModelConfig(
+        f"bench-{vocab_size}", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    blocks_per_request = -(-num_positions // BLOCK_SIZE)
+    pool = PoolShape(batch * blocks_per_request, (CacheGroup(0, BLOCK_SIZE),), num_positions, max(batch, 1))
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, random_weights(config, 0, torch.float32, cpu))
+    runner = ModelRunner(model, pool, kernels.load("torch", "cpu"), cpu, torch.float32)
+    delta = pb.StepDelta(step_id=1)
+    for index in range(batch):
+        first = index * blocks_per_request
+        row = delta.rows_added.add(request_id=f"r{index}")
+        row.groups.add(group_id=0, block_ids=range(first, first + blocks_per_request))
+    runner.apply_step(delta)
+    return runner
+
+
+def bench_one(vocab_size: int, batch: int, temperature: float, args: argparse.Namespace) -> dict[str, float]:
+    """p50 ms of prepare, sampling and the whole execute over decode steps of one configuration."""
+    num_steps = args.warmup + args.steps
+    runner = build_runner(vocab_size, batch, args.context + num_steps)
+    clock = StepClock(runner.model)
+    prepare, sampling, execute = [], [], []
+    for step in range(num_steps):
+        position = args.context + step
+        requests = [
+            ScheduledRequest(f"r{i}", [(7 * i + step) % vocab_size], position, SamplingParams(temperature, i))
+            for i in range(batch)
+        ]
+        started = time.perf_counter()
+        runner.execute(requests)
+        ended = time.perf_counter()
+        if step >= args.warmup:
+            prepare.append(clock.forward_start - started)
+            sampling.append(ended - clock.logits_end)
+            execute.append(ended - started)
+    return {name: statistics.median(samples) * 1e3 for name, samples in
+            (("prepare", prepare), ("sampling", sampling), ("execute", execute))}  # fmt: skip
+
+
+def main() -> None:
+    args = make_parser().parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
+          f"context {args.context}, p50 of {args.steps} steps (ms)")  # fmt: skip
+    print(f"{'vocab':>7} {'batch':>5} {'temp':>4} {'prepare':>9} {'sampling':>9} {'execute':>9}")
+    for vocab_size, batch, temperature in itertools.product(args.vocab, args.batch, args.temperature):
+        figures = bench_one(vocab_size, batch, temperature, args)
+        print(
+            f"{vocab_size:>7} {batch:>5} {temperature:>4g} {figures['prepare']:>9.3f} {figures['sampling']:>9.3f} "
+            f"{figures['execute']:>9.3f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

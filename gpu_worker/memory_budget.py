@@ -1,0 +1,133 @@
+"""Does the model with its KV cache fit in a device's free memory? The arithmetic, and the start-up check.
+
+The rule: the weights, the KV cache (`num_blocks` blocks in every layer) and a
+headroom must fit in the memory the device reports free before the worker
+allocates anything. The headroom is for what is not sized up front: a step's
+activations and logits, the caching allocator's fragmentation, the library
+workspaces of cuBLAS and Triton. It is 10% of the device's total memory, and
+at least 1 GiB. A worker sharing its GPU sees what the workers already running
+there took as used, so the one that does not fit is refused at start-up; two
+that check at the same moment can both pass, so start them one after the other.
+
+`memory_budget` is pure arithmetic over given (free, total) figures;
+`check_device_memory` asks the device for them, on CUDA only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.runner import PoolShape, assign_layers
+from gpu_worker.weights import layer_shapes
+
+HEADROOM_FRACTION = 0.10  # of the device's total memory
+MIN_HEADROOM_BYTES = 1 << 30
+MIN_NUM_BLOCKS = 2  # the manager's smallest pool: the null block and one more
+
+
+class DeviceMemoryError(ValueError):
+    """The model and the KV cache the manager asks for do not fit in the device's free memory."""
+
+
+def weight_bytes(config: ModelConfig, element_size: int) -> int:
+    """Bytes of the decoder's weights, `element_size` bytes per element; a tied lm_head is the embedding."""
+    per_layer = sum(math.prod(shape) for shape in layer_shapes(config).values())
+    vocab = config.vocab_size * config.hidden_size
+    lm_head = 0 if config.tie_word_embeddings else vocab
+    return (config.num_layers * per_layer + vocab + lm_head + config.hidden_size) * element_size
+
+
+def kv_block_bytes(config: ModelConfig, pool: PoolShape, element_size: int) -> int:
+    """Bytes one block id takes over every layer's cache: K and V of its group's `block_size` slots.
+
+    Raises ValueError, as the runner does, when the model's layers and the pool's groups do not match.
+    """
+    block_sizes = [pool.groups[group].block_size for group in assign_layers(config, pool.groups)]
+    return sum(2 * block_size * config.num_kv_heads * config.head_dim for block_size in block_sizes) * element_size
+
+
+def headroom_bytes(total_bytes: int) -> int:
+    """What the rule keeps free for activations and workspaces on a device of `total_bytes`."""
+    return max(MIN_HEADROOM_BYTES, int(total_bytes * HEADROOM_FRACTION))
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes} bytes ({num_bytes / 2**30:.2f} GiB)"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """The bytes a worker needs against what the device has free; every figure in bytes."""
+
+    num_blocks: int
+    block_bytes: int  # one block id, over every layer
+    weight_bytes: int
+    headroom_bytes: int
+    free_bytes: int
+    total_bytes: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.kv_cache_bytes + self.weight_bytes + self.headroom_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.free_bytes
+
+    @property
+    def max_num_blocks(self) -> int:
+        """The most blocks whose cache fits beside the weights and the headroom; 0 when not even those fit."""
+        return max(0, (self.free_bytes - self.weight_bytes - self.headroom_bytes) // self.block_bytes)
+
+    def refusal(self, device: str) -> str:
+        """One line: what is needed, what is free, and the `--num-blocks` of the manager that would fit."""
+        if self.max_num_blocks >= MIN_NUM_BLOCKS:
+            advice = f"start the manager with --num-blocks {self.max_num_blocks} or fewer"
+        else:
+            advice = (
+                f"no --num-blocks fits: the weights and the headroom alone need "
+                f"{_gib(self.weight_bytes + self.headroom_bytes)}; free the device or run a smaller model or --dtype"
+            )
+        return (
+            f"{device} has too little free memory for {self.num_blocks} KV blocks: needed {_gib(self.needed_bytes)} = "
+            f"KV cache {self.kv_cache_bytes} + weights {self.weight_bytes} + headroom {self.headroom_bytes} bytes; "
+            f"free {_gib(self.free_bytes)} of {self.total_bytes} bytes; {advice}"
+        )
+
+
+def memory_budget(
+    config: ModelConfig, pool: PoolShape, dtype: torch.dtype, free_bytes: int, total_bytes: int
+) -> MemoryBudget:
+    """The budget of `config`'s weights and `pool`'s KV cache in `dtype` on a device with the given memory."""
+    return MemoryBudget(
+        num_blocks=pool.num_blocks,
+        block_bytes=kv_block_bytes(config, pool, dtype.itemsize),
+        weight_bytes=weight_bytes(config, dtype.itemsize),
+        headroom_bytes=headroom_bytes(total_bytes),
+        free_bytes=free_bytes,
+        total_bytes=total_bytes,
+    )
+
+
+def check_device_memory(
+    config: ModelConfig, pool: PoolShape, dtype: torch.dtype, device: torch.device
+) -> MemoryBudget | None:
+    """On a CUDA device, the budget against `torch.cuda.mem_get_info`; None on a CPU, which is not checked.
+
+    Call it before allocating weights or cache. Raises DeviceMemoryError (its message one line) when they do not fit.
+    """
+    if device.type != "cuda":
+        return None
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    budget = memory_budget(config, pool, dtype, free_bytes, total_bytes)
+    if not budget.fits:
+        raise DeviceMemoryError(budget.refusal(str(device)))
+    return budget
