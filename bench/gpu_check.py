@@ -5,7 +5,8 @@ On a machine with a CUDA GPU and this repository installed with a CUDA build of 
 
 1. `tests`: the end-to-end equality tests with the Triton backend on CUDA (every generated
    token against the dense pass; tests/gpu_worker/test_end_to_end.py -k triton), then the
-   kernel tests (tests/kernels) on the GPU;
+   kernel tests (tests/kernels) and the worker's device-path tests (`-m gpu` of
+   tests/gpu_worker/test_runner_gpu.py, test_sampling.py, test_staging.py) on the GPU;
 2. `kernels`: bench/kernels_gpu.py, decode paged attention's share of the HBM bandwidth;
 3. `worker`: generated tokens/s of a manager, a worker (`--device cuda --backend triton`,
    the built-in 1B model `llama-3.2-1b` with random weights, bfloat16) and the reference
@@ -138,10 +139,14 @@ def describe_counts(counts: dict[str, int]) -> str:
 
 
 def run_tests(out: Path, timeout_s: float) -> StepResult:
-    """The CUDA end-to-end equality tests (Triton backend), then the kernel tests; a skip counts as a failure."""
+    """The CUDA end-to-end equality tests (Triton backend), the kernel tests, the worker's device-path
+    tests; a skip counts as a failure."""
     suites = {
         "e2e": ["tests/gpu_worker/test_end_to_end.py", "-k", "triton"],
         "kernels": ["tests/kernels"],
+        # The worker's device path: one staging transfer per step, sampling on the device, host-side copy checks.
+        "worker": ["-m", "gpu", "tests/gpu_worker/test_runner_gpu.py", "tests/gpu_worker/test_sampling.py",
+                   "tests/gpu_worker/test_staging.py"],
     }
     ok, parts, files = True, [], []
     for name, args in suites.items():

@@ -21,8 +21,9 @@ from gpu_worker.sampling import GREEDY, SamplingParams, choose
 from gpu_worker.weights import random_weights
 from kv_manager_service.rpc.errors import FailedPreconditionError
 from kvcache.v1 import kv_manager_pb2 as pb
+from conftest import DEVICE
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")]
 
 MODEL = "tiny-swa"
 BLOCK_SIZE = 16

@@ -9,8 +9,9 @@ import torch
 
 from gpu_worker import sampling
 from gpu_worker.sampling import GREEDY, SampledRows, SamplingParams, choose, gumbel_noise, noise_key, sample
+from conftest import DEVICE
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 
 
 def batch_of(params: list[SamplingParams], positions: list[int], device: str = "cpu") -> SampledRows | None:

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from gpu_worker.staging import Staging
+from conftest import DEVICE
 
 CPU = torch.device("cpu")
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 
 
 def stage_a_step(staging: Staging, table: torch.Tensor) -> list:
