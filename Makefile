@@ -25,8 +25,9 @@ demo: setup
 run: setup
 	$(BIN)/kv-manager replay $(ARGS)
 
+# Tests run in up to 4 processes (pytest-xdist; 2 on a 2-core machine); skipped tests print their reason.
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/core_bench.py $(ARGS)

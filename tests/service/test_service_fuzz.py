@@ -17,7 +17,8 @@ table; pending copies) as it was. Each test is bounded by `max_examples`
 and by a wall-clock budget, past which its remaining examples do nothing;
 the server's state carries over from one example to the next (there is no
 shrinking: a failure names the call and the request). To fuzz longer, scale
-both: `KVCACHE_FUZZ_SCALE=20 pytest tests/service/test_service_fuzz.py`.
+both: `KVCACHE_FUZZ_SCALE=20 pytest tests/service/test_service_fuzz.py` (the
+`thorough` Hypothesis profile scales them by 10).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ CALLER_MISTAKES = {
 UINT32_MAX = (1 << 32) - 1
 UINT64_MAX = (1 << 64) - 1
 ACK_EVERY_CALLS = 16  # the workers acknowledge every step this often, so copies do not hold the pool
-SCALE = float(os.environ.get("KVCACHE_FUZZ_SCALE", "1"))  # multiplies the budgets and max_examples
+# Multiplies the budgets and max_examples; by default it follows the Hypothesis profile (see tests/conftest.py):
+# 1 under `default`, 10 under `thorough`.
+SCALE = float(os.environ.get("KVCACHE_FUZZ_SCALE") or settings.default.max_examples / 100)
 STREAM_WAIT_S = 0.05  # a watch that has nothing to send yet is cancelled after this long (no assertion on it)
 
 
