@@ -120,9 +120,17 @@ class ModelRunner:
 
         Raises FailedPreconditionError, having changed nothing (tables, KV,
         last_applied_step_id), when the delta names a group or a block id
-        outside the pool, or its copies alias (see `check_copies`).
+        outside the pool, or its copies alias (see `check_copies`), or when it
+        does not follow the last applied step: after a refused step every
+        later one is refused too, since the tables here no longer match the
+        manager's (the worker must restart to resync).
         """
-        assert delta.step_id > self.last_applied_step_id, (delta.step_id, self.last_applied_step_id)
+        if delta.step_id != self.last_applied_step_id + 1:
+            raise FailedPreconditionError(
+                f"step {delta.step_id} does not follow the last step applied here ({self.last_applied_step_id}): "
+                "a step between them was refused (see the log); restart the worker to resync with the manager",
+                "step_id",
+            )
         copies = self._check_delta(delta)
         tables = self.tables
         for row in delta.rows_added:

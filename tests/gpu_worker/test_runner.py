@@ -194,6 +194,20 @@ def test_a_delta_that_does_not_fit_the_pool_is_refused_before_anything_moves(spo
     assert runner.tables.block_ids("a", 0) == [1, 22] and runner.tables.block_ids("c", 1) == [21]
 
 
+def test_after_a_refused_step_every_later_step_is_refused():
+    runner = make_runner()
+    add_requests(runner, 1, {"a": [[1], [2]], "b": [[3], [4]]})
+    bad = step_two()
+    set_copies(bad, (10, 1000))
+    with pytest.raises(FailedPreconditionError):
+        runner.apply_step(bad)
+    before = state_of(runner)
+    later = pb.StepDelta(step_id=3, requests_freed=["a"])
+    with pytest.raises(FailedPreconditionError, match="step 3 does not follow the last step applied here \\(1\\)"):
+        runner.apply_step(later)
+    assert_same_state(before, state_of(runner))
+
+
 def test_good_copies_reach_the_kernel_on_the_runner_device_and_copy_every_layer():
     runner = make_runner()
     for cache in runner.kv_caches:
