@@ -11,12 +11,17 @@ from gpu_worker.model_config import BUILTIN_MODELS
 from kv_manager_service.rpc.logs import configure_logging
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpu-worker",
+        usage="%(prog)s --manager HOST:PORT [options]",
         description="Hold the KV cache of one kv-manager's pool and run a Llama-style decoder over it.",
     )
-    parser.add_argument("--manager", required=True, metavar="HOST:PORT", help="the kv-manager to follow")
+    parser.add_argument("--manager", required=require_manager, metavar="HOST:PORT", help="the kv-manager to follow")
+    parser.add_argument(
+        "--manager-timeout-s", type=float, default=30.0,
+        help="how long to wait at startup for the manager to answer, before loading anything (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default %(default)s)")
@@ -86,8 +91,18 @@ def _security_options(args: argparse.Namespace) -> dict:
     )
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags; exits 2 naming an unknown or invalid flag first, and only then a missing --manager.
+
+    argparse reports the first error it meets, and it checks required flags before unknown ones:
+    a first pass without --manager required lets a mistyped flag be the error the user sees.
+    """
+    build_parser(require_manager=False).parse_args(argv)
+    return build_parser().parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     from gpu_worker.server import WorkerOptions, serve
 
@@ -96,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = WorkerOptions(
             manager=args.manager, host=args.host, port=args.port, device=args.device, backend=args.backend,
             model=args.model, dtype=args.dtype, seed=args.seed, step_timeout_s=args.step_timeout_s,
+            manager_timeout_s=args.manager_timeout_s,
             metrics_port=args.metrics_port, **_security_options(args), **extra,
         )  # fmt: skip
         return serve(options)

@@ -25,6 +25,7 @@ from gpu_worker.step_follower import StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
+from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free
 from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, ServerTLS, TokenTable
 from kvcache.v1 import kv_manager_pb2 as manager_pb
@@ -67,6 +68,10 @@ class WorkerOptions:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.metrics_port is not None and self.metrics_port == self.port != 0:
+            raise ValueError(f"--metrics-port must differ from --port, both are {self.port}")
+        if not self.manager_timeout_s > 0:
+            raise ValueError(f"--manager-timeout-s must be > 0, got {self.manager_timeout_s:g}")
         if not self.worker_id:
             raise ValueError("--worker-id must not be empty")
 
@@ -125,22 +130,37 @@ class RunningWorker:
 
 
 def start_worker(options: WorkerOptions) -> RunningWorker:
-    """Connect to the manager, build the model and cache, start serving; returns once it accepts calls."""
+    """Connect to the manager, build the model and cache, start serving; returns once it accepts calls.
+
+    The cheap checks come first (ports, device, model name), then the wait for the manager, logged
+    as it starts, and only then the slow work (kernels, weights).
+    """
+    check_port_free(options.host, options.port)
+    if options.metrics_port is not None:
+        check_port_free(options.host, options.metrics_port, "metrics port")
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available to torch")
     model_config, checkpoint = resolve_model(options.model)
-    kernel_set = kernels.load(options.backend, device.type)
     manager = KVManagerClient(options.manager, tls=options.manager_tls, token=options.manager_token)
+    log.info(
+        "waiting up to %gs for the manager at %s", options.manager_timeout_s, options.manager,
+        extra={"manager": options.manager},
+    )  # fmt: skip
     try:
         manager.wait_ready(options.manager_timeout_s)
     except grpc.FutureTimeoutError:
-        raise ConnectionError(f"the manager at {options.manager} did not answer within {options.manager_timeout_s:g}s") from None
+        manager.close()
+        raise ConnectionError(
+            f"the manager at {options.manager} did not answer within {options.manager_timeout_s:g}s: "
+            "start it first, or wait longer with --manager-timeout-s"
+        ) from None
     try:
         pool = pool_shape(manager.get_config())
     except grpc.RpcError as error:  # a refused token, most likely
         raise ConnectionError(f"the manager at {options.manager} refused GetConfig: {error.code().name}: {error.details()}") from None
 
+    kernel_set = kernels.load(options.backend, device.type)
     dtype = options.torch_dtype
     budget = check_device_memory(model_config, pool, dtype, device)  # before anything is allocated there
     if budget is not None:
@@ -194,19 +214,22 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
             log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
     servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s, worker_metrics)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"), interceptors=interceptors
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 0)],  # a second server on this port is refused, not handed half the calls
     )
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if options.tls is not None:
-        port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
-    else:
-        port = server.add_insecure_port(f"{options.host}:{options.port}")
-    if port == 0:
+    try:
+        if options.tls is not None:
+            port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
+        else:
+            port = server.add_insecure_port(f"{options.host}:{options.port}")
+    except RuntimeError:  # taken since check_port_free: gRPC says no more than "failed to bind"
         if metrics is not None:
             metrics.stop()
-        raise OSError(f"could not bind {options.host}:{options.port}")
+        raise PortUnavailableError(f"cannot listen on port {options.port} on {options.host}") from None
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(

@@ -3,10 +3,10 @@
 Every call has a deadline. Reads (GetConfig, FindCacheHit, GetBlockTables,
 GetStats) are retried on UNAVAILABLE with backoff. A mutation is retried
 only as a Step with an idempotency key (`step` and `decode` with
-`idempotency_key=` or `auto_key=True`): on UNAVAILABLE or DEADLINE_EXCEEDED
-it is sent again with the same key, and the manager applies it once. Other
-mutations never are, since a lost response does not tell whether the step
-was applied. A caller
+`idempotency_key=` or `auto_key=True`): on UNAVAILABLE, DEADLINE_EXCEEDED or
+CANCELLED (what a manager's restart leaves its callers with) it is sent again
+with the same key, and the manager applies it once. Other mutations never
+are, since a lost response does not tell whether the step was applied. A caller
 mistake raises the core's typed error (`RequestNotFoundError`, ...), decoded
 from the status' ErrorInfo, so code written against the in-process core and
 against the service handles errors the same way.
@@ -142,8 +142,12 @@ class RetryPolicy:
 # about 9 s of backoff in all.
 STEP_RETRY = RetryPolicy(attempts=10, first_backoff_s=0.05, max_backoff_s=2.0, max_total_s=30.0)
 _READ_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
-# The call may have been applied: only a keyed Step may be sent again.
-_KEYED_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# The call may have been applied: only a keyed Step may be sent again. A manager stopping
+# (SIGTERM) ends calls it has not answered yet with CANCELLED. The manager
+# never answers ABORTED, and gRPC does not produce it for a lost connection.
+_KEYED_RETRY_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 
 
 class KVManagerClient:
@@ -170,8 +174,11 @@ class KVManagerClient:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self.stub = pb_grpc.KVManagerServiceStub(self.channel)
+        self.closed = False
 
     def close(self) -> None:
+        """Close the channel: calls in flight end CANCELLED and are not retried."""
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> "KVManagerClient":
@@ -222,7 +229,7 @@ class KVManagerClient:
         """Apply `ops` as one atomic step.
 
         With an `idempotency_key` (or `auto_key=True`: a new UUID), a try that
-        ends UNAVAILABLE or DEADLINE_EXCEEDED is repeated with the same key,
+        ends UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED is repeated with the same key,
         under `retry` (default: the client's `step_retry`); the manager applies
         the step once and answers every repeat with the first response.
         Without a key the call is never repeated.
@@ -345,6 +352,7 @@ class KVManagerClient:
             except grpc.RpcError as error:
                 if (
                     error.code() not in codes
+                    or self.closed
                     or attempt == policy.attempts
                     or time.monotonic() - started + backoff > policy.max_total_s
                 ):

@@ -195,7 +195,7 @@ def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
 
 def _banner(args: argparse.Namespace, replicas: list[Replica], num_requests: int) -> str:
     where = (
-        f"{len(replicas)} replicas ({', '.join(r.replica_id for r in replicas)})"
+        f"{len(replicas)} replica{'s' if len(replicas) > 1 else ''} ({', '.join(r.replica_id for r in replicas)})"
         if args.replica
         else f"a local manager ({replicas[0].num_blocks} blocks x {replicas[0].block_size} tokens) and worker "
         f"({args.model}, {args.backend} backend, CPU)"

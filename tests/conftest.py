@@ -1,12 +1,8 @@
 """Process-wide test setup.
 
-The tests' device is decided here, once: `DEVICE` is "cuda" when this torch
-can use a CUDA device (`torch.cuda.is_available()`), otherwise "cpu". Tests
-take it from the `device` fixture, or import the constant when they need it
-at collection time (`from conftest import DEVICE`). On the CPU, Triton
-kernels run in the interpreter: `TRITON_INTERPRET=1` is read when a kernel
-module is imported, so it is set here, before any test module imports one. A
-GPU machine with a CPU build of torch therefore tests like a CPU machine.
+The tests' device is decided once, in `devices.py` (imported first here, so
+that `TRITON_INTERPRET` is set before any test module imports a kernel), and
+served by the `device` fixture.
 
 Hypothesis profiles, chosen with the `HYPOTHESIS_PROFILE` environment
 variable (or pytest's `--hypothesis-profile`, which wins):
@@ -27,12 +23,8 @@ than a fixed count, so `thorough` runs more everywhere.
 import os
 
 import pytest
-import torch
+from devices import DEVICE
 from hypothesis import settings
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Both profiles start from Hypothesis' own defaults, never from its derandomized
 # "ci" profile (which it loads by itself when it detects a CI service).

@@ -1,4 +1,4 @@
-"""The tests choose their device in one place: `tests/conftest.py` (its `DEVICE` and `device` fixture).
+"""The tests choose their device in one place: `tests/devices.py` (`DEVICE`; conftest's `device` fixture).
 
 A test module that asked CUDA (or `nvidia-smi`) for itself could pick a
 device the rest of the suite does not run on: CUDA kernels under a CPU
@@ -20,19 +20,19 @@ def device_probes(text: str) -> list[int]:
     return [number for number, line in enumerate(text.splitlines(), 1) if DEVICE_PROBE.search(line)]
 
 
-def test_only_conftest_probes_for_a_device() -> None:
+def test_only_devices_py_probes_for_a_device() -> None:
     offenders = [
         f"{path.relative_to(TESTS)}:{number}"
         for path in sorted(TESTS.rglob("*.py"))
-        if path.name not in ("conftest.py", Path(__file__).name) or path.parent != TESTS
+        if path.name not in ("devices.py", Path(__file__).name) or path.parent != TESTS
         for number in device_probes(path.read_text(encoding="utf-8"))
     ]
-    assert not offenders, "choose the device through conftest's DEVICE or `device` fixture: " + ", ".join(offenders)
+    assert not offenders, "choose the device through devices.DEVICE or the `device` fixture: " + ", ".join(offenders)
 
 
-def test_conftest_decides_the_device() -> None:
-    conftest = (TESTS / "conftest.py").read_text(encoding="utf-8")
-    assert re.search(r'^DEVICE = "cuda" if torch\.cuda\.is_available\(\) else "cpu"$', conftest, re.MULTILINE)
+def test_devices_decides_the_device() -> None:
+    devices = (TESTS / "devices.py").read_text(encoding="utf-8")
+    assert re.search(r'^DEVICE = "cuda" if torch\.cuda\.is_available\(\) else "cpu"$', devices, re.MULTILINE)
 
 
 def test_the_probe_pattern_finds_each_way_of_asking() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kv_manager_service.rpc.arg_types import fraction, positive_int
+from kv_manager_service.rpc.ports import PortUnavailableError
 from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
 
 # The trace ships in the repository's data/ folder, beside the package.
@@ -317,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from reference_scheduler.demo import run_demo
 
             return run_demo(args)
-    except ValueError as e:
+    except (ValueError, PortUnavailableError) as e:
         parser.exit(2, f"kv-manager: error: {e}\n")
     return 1
 

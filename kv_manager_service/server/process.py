@@ -26,6 +26,7 @@ from kv_manager_service.server.journal import Journal
 from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
 from kv_manager_service.server.metrics import ManagerCollector
 from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
+from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
 from kv_manager_service.server.replica import Replica, ServiceLimits
@@ -77,6 +78,8 @@ class ServerOptions:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.metrics_port is not None and self.metrics_port == self.port != 0:
+            raise ValueError(f"--metrics-port must differ from --port, both are {self.port}")
         if not self.replica_id:
             raise ValueError("replica_id must not be empty")
         if self.max_workers < 2:
@@ -143,7 +146,10 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
     )
     journal = None
     if options.journal_path is not None:
-        journal = Journal.open(options.journal_path, options.replica_id, pool_description(config), options.journal_fsync)
+        journal = Journal.open(
+            options.journal_path, options.replica_id, pool_description(config), options.journal_fsync,
+            on_write_failure=_stop_on_journal_failure,
+        )  # fmt: skip
     started = time.perf_counter()
     replica = Replica(
         KVCacheManager(config),
@@ -174,7 +180,13 @@ def _stop_on_journal_failure(journal: Journal, error: OSError) -> None:
 
 
 def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer:
-    """Build and start the server; returns once it accepts calls."""
+    """Build and start the server; returns once it accepts calls.
+
+    PortUnavailableError, before anything else starts, when --port or --metrics-port cannot be bound.
+    """
+    check_port_free(options.host, options.port)
+    if options.metrics_port is not None:
+        check_port_free(options.host, options.metrics_port, "metrics port")
     replica = build_replica(config, options)
     if options.tokens is not None and options.tls is None:
         log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
@@ -197,12 +209,13 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
             ("grpc.so_reuseport", 0),
         ],
     )
-    if options.tls is not None:
-        port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
-    else:
-        port = server.add_insecure_port(f"{options.host}:{options.port}")
-    if port == 0:
-        raise OSError(f"could not bind {options.host}:{options.port}")
+    try:
+        if options.tls is not None:
+            port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
+        else:
+            port = server.add_insecure_port(f"{options.host}:{options.port}")
+    except RuntimeError:  # taken since check_port_free: gRPC says no more than "failed to bind"
+        raise PortUnavailableError(f"cannot listen on port {options.port} on {options.host}") from None
     address = f"{options.host}:{port}"
     mirror, cluster = _mirror(replica, address, config, options) if options.redis_url else (None, None)
     mirror_metrics = mirror.metrics if mirror is not None else None
@@ -218,9 +231,9 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
         registry.register(ManagerCollector(replica, mirror_metrics, cluster))
         try:
             metrics = start_metrics_server(registry, options.host, options.metrics_port)
-        except OSError:
+        except OSError as error:
             server.stop(None)
-            raise
+            raise PortUnavailableError(str(error)) from None
         log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
     server.start()
     if mirror is not None:

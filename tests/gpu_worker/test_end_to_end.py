@@ -16,7 +16,7 @@ import itertools
 import random
 
 import pytest
-from conftest import DEVICE
+from devices import DEVICE
 from e2e_support import DenseOracle, greedy, start_stack, stop_stack
 
 from reference_scheduler import Sampling

@@ -21,7 +21,7 @@ from gpu_worker.sampling import GREEDY, SamplingParams, choose
 from gpu_worker.weights import random_weights
 from kv_manager_service.rpc.errors import FailedPreconditionError
 from kvcache.v1 import kv_manager_pb2 as pb
-from conftest import DEVICE
+from devices import DEVICE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")]
 

@@ -9,7 +9,7 @@ import torch
 
 from gpu_worker import sampling
 from gpu_worker.sampling import GREEDY, SampledRows, SamplingParams, choose, gumbel_noise, noise_key, sample
-from conftest import DEVICE
+from devices import DEVICE
 
 CUDA = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.staging import Staging
-from conftest import DEVICE
+from devices import DEVICE
 
 CPU = torch.device("cpu")
 CUDA = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
+from devices import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 
 import kernels
 from kernels.paged_attention import (

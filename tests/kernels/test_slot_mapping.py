@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
+from devices import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 from sm90_support import compile_for_sm90
 
 from kernels.slot_mapping import _BLOCK, _slot_mapping_kernel, slot_mapping, slot_mapping_reference

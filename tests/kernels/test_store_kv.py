@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
+from devices import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 from sm90_support import compile_for_sm90
 
 from kernels.store_kv import _store_kv_kernel, store_kv, store_kv_reference

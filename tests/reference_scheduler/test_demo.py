@@ -45,11 +45,15 @@ def test_the_demo_routes_over_running_replicas(tmp_path):
     stacks = [start_stack(tmp_path / name, "tiny", "torch", pool) for name in ("a", "b")]
     try:
         pairs = [f"{s.manager.address}={s.worker.address}" for s, _ in stacks]
-        _, report = run_demo(tmp_path, "--requests", "16", "--replica", pairs[0], "--replica", pairs[1])
+        done, report = run_demo(tmp_path, "--requests", "16", "--replica", pairs[0], "--replica", pairs[1])
         assert report["num_completed"] == 16
+        assert "on 2 replicas (replica-a, replica-b);" in done.stderr, done.stderr
         assert sum(report["requests_per_replica"].values()) == 16 and len(report["requests_per_replica"]) == 2
         for stack, _ in stacks:
             assert stack.manager_client.stats().num_requests == 0  # every request was freed
+        done, report = run_demo(tmp_path, "--requests", "2", "--replica", pairs[0])
+        assert report["num_completed"] == 2
+        assert "on 1 replica (replica-a);" in done.stderr, done.stderr
     finally:
         failures = [f for stack, processes in stacks for f in stop_stack(stack, processes)]
         assert not failures, "\n\n".join(failures)

@@ -1,13 +1,20 @@
-"""The journal: a manager killed with SIGKILL and restarted under the same replica id resumes its exact state."""
+"""The journal: a manager killed with SIGKILL and restarted under the same replica id resumes its exact state.
+
+A torn tail (an interrupted append, zero bytes after a power loss) is cut at start; any other damage refuses
+the start with the byte offset and leaves the file as it is.
+"""
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
+import zlib
 
 import pytest
 
-from kv_manager_service.server.journal import Journal, JournalError
+from kv_manager_service.server.journal import _FRAME, Journal, JournalError
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -131,3 +138,129 @@ def test_serve_refuses_a_journal_of_another_replica_with_a_clear_error(tmp_path)
     argv = [a if a != "journaled" else "someone-else" for a in manager.argv]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "belongs to replica 'journaled', not 'someone-else'" in done.stderr, done.stderr
+
+
+def refused_start(manager: Manager) -> subprocess.CompletedProcess:
+    """Run `manager`'s command line once more, expecting it to stop before it serves."""
+    return subprocess.run(manager.argv, capture_output=True, text=True, timeout=60)
+
+
+def record_offsets(data: bytes) -> list[int]:
+    """Where each record of an intact journal starts (a frame begins with its payload length)."""
+    offsets, offset = [], 0
+    while offset < len(data):
+        offsets.append(offset)
+        offset += _FRAME.size + struct.unpack_from("<I", data, offset)[0]
+    return offsets
+
+
+def killed_after_history(manager: Manager) -> tuple[dict, bytes]:
+    """Start `manager`, run the history, SIGKILL it: (its snapshot, the journal's bytes)."""
+    channel, stub = connect(manager.start().address)
+    with channel:
+        history(stub)
+        before = snapshot(stub)
+    manager.kill()
+    return before, manager.journal.read_bytes()
+
+
+def flip_length(data: bytearray, offset: int) -> None:
+    data[offset + 2] ^= 0x01  # the record claims 64 KiB more than it holds: past the file's end
+
+
+def flip_payload(data: bytearray, offset: int) -> None:
+    data[offset + _FRAME.size + 1] ^= 0x01
+
+
+def zero_block(data: bytearray, offset: int) -> None:
+    data[offset : offset + 32] = bytes(32)  # a block that never reached the disk, mid-file
+
+
+@pytest.mark.parametrize("damage", [flip_length, flip_payload, zero_block])
+def test_damage_before_the_end_refuses_the_start_and_leaves_the_file_untouched(tmp_path, damage):
+    manager = Manager(tmp_path)
+    try:
+        _, whole = killed_after_history(manager)
+        offset = record_offsets(whole)[len(record_offsets(whole)) // 2]
+        damaged = bytearray(whole)
+        damage(damaged, offset)
+        manager.journal.write_bytes(bytes(damaged))
+
+        done = refused_start(manager)
+        assert done.returncode == 2, done.stderr
+        assert f"journal {manager.journal}: the record at byte {offset} " in done.stderr, done.stderr
+        assert "move the file aside to start empty, or restore a backup" in done.stderr, done.stderr
+        assert manager.journal.read_bytes() == bytes(damaged)
+    finally:
+        failures = stop_all(manager.processes)
+        assert not failures, "\n\n".join(failures)
+
+
+def zeros(last_frame: bytes) -> bytes:
+    return bytes(4096)  # the file grew, its data never reached the disk
+
+
+def torn_record_then_zeros(last_frame: bytes) -> bytes:
+    return last_frame[: len(last_frame) // 2] + bytes(4096)
+
+
+def torn_header(last_frame: bytes) -> bytes:
+    return last_frame[: _FRAME.size - 3]
+
+
+@pytest.mark.parametrize("tail", [zeros, torn_record_then_zeros, torn_header])
+def test_a_torn_tail_is_cut_and_the_manager_starts_with_everything_before_it(tmp_path, tail):
+    manager = Manager(tmp_path)
+    try:
+        before, whole = killed_after_history(manager)
+        last_frame = whole[record_offsets(whole)[-1] :]
+        manager.journal.write_bytes(whole + tail(last_frame))
+
+        channel, stub = connect(manager.start().address)
+        with channel:
+            assert snapshot(stub) == before
+            assert stub.Allocate(alloc("after", range(600, 610))).step_id == before["stats"]["last_step_id"] + 1
+        assert manager.journal.read_bytes().startswith(whole)
+    finally:
+        failures = stop_all(manager.processes)
+        assert not failures, "\n\n".join(failures)
+
+
+def test_a_new_journal_on_a_full_disk_stops_the_manager_with_the_journal_failure(tmp_path):
+    manager = Manager(tmp_path)
+    manager.journal.parent.mkdir()
+    manager.journal.symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
+    done = refused_start(manager)
+    assert done.returncode == 75, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    failure = [line for line in lines if line["level"] == "CRITICAL"]
+    assert [line["msg"] for line in failure] == [
+        f"cannot write the journal {manager.journal} ([Errno 28] No space left on device); stopping"
+    ]
+
+
+def test_a_journal_in_the_earlier_format_is_refused(tmp_path):
+    path = tmp_path / "j.journal"
+    header = journal_pb2.JournalRecord(header=journal_pb2.JournalHeader(format_version=1, replica_id="r", pool="{}"))
+    payload = header.SerializeToString()
+    path.write_bytes(struct.pack("<II", len(payload), zlib.crc32(payload)) + payload)
+    with pytest.raises(JournalError, match="is in format 1, written by an earlier version.*move the file aside"):
+        Journal.open(path, "r", "{}")
+    assert path.read_bytes() == struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+
+def test_a_journal_that_cannot_be_opened_refuses_the_start_in_one_line(tmp_path):
+    manager = Manager(tmp_path)
+    manager.journal.mkdir(parents=True)  # a directory where the file should be
+    done = refused_start(manager)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"kv-manager: error: cannot open the journal {manager.journal}: Is a directory\n"
+
+
+def test_a_journal_of_another_replica_is_refused_before_its_torn_tail_is_cut(tmp_path):
+    path = tmp_path / "j.journal"
+    Journal.open(path, "replica-a", "{}").close()
+    path.write_bytes(path.read_bytes() + bytes(100))
+    with pytest.raises(JournalError, match="belongs to replica 'replica-a'"):
+        Journal.open(path, "replica-b", "{}")
+    assert path.read_bytes().endswith(bytes(100))
