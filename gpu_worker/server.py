@@ -25,7 +25,7 @@ from gpu_worker.step_follower import StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
-from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free
+from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, ServerTLS, TokenTable
 from kvcache.v1 import kv_manager_pb2 as manager_pb
@@ -222,14 +222,11 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        if options.tls is not None:
-            port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
-        else:
-            port = server.add_insecure_port(f"{options.host}:{options.port}")
-    except RuntimeError:  # taken since check_port_free: gRPC says no more than "failed to bind"
+        port = listen(server, options.host, options.port, options.tls.credentials() if options.tls else None)
+    except PortUnavailableError:
         if metrics is not None:
             metrics.stop()
-        raise PortUnavailableError(f"cannot listen on port {options.port} on {options.host}") from None
+        raise
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import socket
 
+import grpc
+
 
 class PortUnavailableError(OSError):
     """A server cannot listen on HOST:PORT; the message is one line for the user."""
@@ -43,3 +45,17 @@ def check_port_free(host: str, port: int, what: str = "port") -> None:
                 failures.append(error)
     if len(failures) == len(addresses):
         raise PortUnavailableError(f"cannot listen on {what} {port} on {host}: {failures[0].strerror}")
+
+
+def listen(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the listening port (TLS with `credentials`, plaintext without) and return its number.
+
+    A port taken since `check_port_free` is PortUnavailableError: gRPC says
+    no more than "failed to bind".
+    """
+    try:
+        if credentials is not None:
+            return server.add_secure_port(f"{host}:{port}", credentials)
+        return server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        raise PortUnavailableError(f"cannot listen on port {port} on {host}") from None

@@ -26,7 +26,7 @@ from kv_manager_service.server.journal import Journal
 from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
 from kv_manager_service.server.metrics import ManagerCollector
 from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
-from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free
+from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
 from kv_manager_service.server.replica import Replica, ServiceLimits
@@ -209,13 +209,7 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
             ("grpc.so_reuseport", 0),
         ],
     )
-    try:
-        if options.tls is not None:
-            port = server.add_secure_port(f"{options.host}:{options.port}", options.tls.credentials())
-        else:
-            port = server.add_insecure_port(f"{options.host}:{options.port}")
-    except RuntimeError:  # taken since check_port_free: gRPC says no more than "failed to bind"
-        raise PortUnavailableError(f"cannot listen on port {options.port} on {options.host}") from None
+    port = listen(server, options.host, options.port, options.tls.credentials() if options.tls else None)
     address = f"{options.host}:{port}"
     mirror, cluster = _mirror(replica, address, config, options) if options.redis_url else (None, None)
     mirror_metrics = mirror.metrics if mirror is not None else None
