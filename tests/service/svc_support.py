@@ -248,3 +248,18 @@ class Worker:
 
     def block_ids(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         return {rid: tuple(tuple(groups[g]) for g in sorted(groups)) for rid, groups in self.rows.items()}
+
+
+class LostResponse(grpc.RpcError):
+    """What a caller sees when a call's response never arrives: the status `code`, raised by a client interceptor."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "the response was lost on the way back") -> None:
+        super().__init__(code.name)
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details

@@ -15,7 +15,7 @@ from kv_manager_service.client import KVManagerClient, RetryPolicy
 from kv_manager_service.core import AllocateOp, FreeOp
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from processes import free_port, launch, stop_all
-from svc_support import CALL_TIMEOUT_S, connect, pool_config, stats, tables, write_config
+from svc_support import CALL_TIMEOUT_S, LostResponse, connect, pool_config, stats, tables, write_config
 
 STEP_METHOD = "/kvcache.v1.KVManagerService/Step"
 NUM_CALLERS = 4
@@ -42,20 +42,9 @@ class StepOutcomes(grpc.UnaryUnaryClientInterceptor):
             self.outcomes["OK" if code is grpc.StatusCode.OK else code.name] += 1
             injected = self.inject.pop(0) if self.inject and code is grpc.StatusCode.OK else None
         if injected is not None:
-            raise Injected(injected)
+            raise LostResponse(injected, "ended by the test after the server answered")
         return outcome
 
-
-class Injected(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        super().__init__(code.name)
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return "ended by the test after the server answered"
 
 
 def client(address: str, outcomes: StepOutcomes) -> KVManagerClient:

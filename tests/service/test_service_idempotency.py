@@ -26,6 +26,7 @@ from kvcache.v1 import kv_manager_pb2 as pb
 
 from svc_support import (
     CALL_TIMEOUT_S,
+    LostResponse,
     assert_error,
     connect,
     op_alloc,
@@ -46,19 +47,6 @@ STEP_METHOD = "/kvcache.v1.KVManagerService/Step"
 FAST_RETRY = RetryPolicy(attempts=4, first_backoff_s=0.01, max_backoff_s=0.02, max_total_s=10.0)
 Code = grpc.StatusCode
 
-
-class LostResponse(grpc.RpcError):
-    """What the caller sees when the response never arrives."""
-
-    def __init__(self, code: grpc.StatusCode) -> None:
-        super().__init__(code.name)
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return "the response was lost on the way back"
 
 
 class ResponseDropper(grpc.UnaryUnaryClientInterceptor):
