@@ -106,6 +106,8 @@ class MirrorWriter:
     def _write_loop(self) -> None:
         backoff = self.options.retry_backoff_s
         while not self._stop.is_set():
+            # Counted on every pass, so that it also grows while a failing resync retries.
+            self.metrics.queue_depth = max(0, self.events.last_id - self._next_sequence + 1)
             try:
                 if self._resync:
                     self._republish()
