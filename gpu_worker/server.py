@@ -24,10 +24,12 @@ from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, Worker
 from gpu_worker.step_follower import StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
+from kv_manager_service.rpc.metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.rpc.metrics_endpoint import MetricsServer, metrics_access, start_metrics_server
+from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
 from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
-from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, ServerTLS, TokenTable
+from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, Role, ServerTLS, TokenTable
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
@@ -123,7 +125,7 @@ class RunningWorker:
 
     def stop(self, grace_s: float) -> None:
         self.server.stop(grace_s).wait()
-        self.servicer.follower.close()
+        self.servicer.follower.leave()
         self.servicer.manager.close()
         if self.metrics is not None:
             self.metrics.stop()
@@ -207,11 +209,14 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         worker_metrics = WorkerMetrics(registry, runner)
         service = pb.DESCRIPTOR.services_by_name["WorkerService"]
         interceptors.append(RpcMetricsInterceptor(service, registry, "gpu_worker", EXECUTE_DURATION_BUCKETS_S))
-        metrics = start_metrics_server(registry, options.host, options.metrics_port)
+        # Every token of the worker may call every RPC, so every token may read the metrics.
+        access = metrics_access(options.host, options.tls, options.tokens, reader_roles=tuple(Role))
+        metrics = start_metrics_server(registry, options.host, options.metrics_port, access)
     if options.tokens is not None:
         interceptors.append(BearerAuthInterceptor(options.tokens))  # after the metrics: they count what it refuses
         if options.tls is None:
             log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
+    interceptors.append(ParseErrorInterceptor())  # last: refuses unparsed and oversized requests (rpc/bounds.py)
     servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s, worker_metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
@@ -236,7 +241,8 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         extra={"worker_id": options.worker_id, "manager": options.manager},
     )  # fmt: skip
     if metrics is not None:
-        log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
+        readers = metrics.access.describe()
+        log.info("metrics at %s, read with %s", metrics.url, readers, extra={"metrics_url": metrics.url})
     return RunningWorker(server, servicer, f"{options.host}:{port}", metrics)
 
 

@@ -16,7 +16,7 @@ from gpu_worker.step_follower import FollowerError, StepFollower
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError, KVCacheError
 from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
-from kv_manager_service.rpc.status import abort, status_code
+from kv_manager_service.rpc.status import end_call, status_code
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
@@ -101,7 +101,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 forward_ms = (time.perf_counter() - started) * 1e3
         except KVCacheError as error:
             self._log_failed(request, status_code(error), error, error.field)
-            abort(context, error)
+            end_call(context, error)
         except TimeoutError as error:
             self._log_failed(request, grpc.StatusCode.UNAVAILABLE, error)
             context.abort(grpc.StatusCode.UNAVAILABLE, str(error))

@@ -42,6 +42,7 @@ class StepFollower:
         self.thread.start()
 
     def close(self) -> None:
+        """Stop following; the manager keeps this worker registered until its lease runs out."""
         with self.changed:
             self.closed = True
             stream = self.stream
@@ -49,6 +50,17 @@ class StepFollower:
         if stream is not None:
             stream.cancel()
         self.thread.join(timeout=5)
+
+    def leave(self) -> None:
+        """Stop following and unregister from the manager (a clean shutdown): the copies only
+        this worker held are released at once. If the manager cannot be told, its lease runs out."""
+        self.close()
+        try:
+            self.client.unregister_worker(self.worker_id)
+        except Exception as error:  # the manager is down, or already dropped this worker
+            log.warning("could not unregister worker %s (%s); its lease will expire", self.worker_id, error)
+        else:
+            log.info("unregistered worker %s from the manager", self.worker_id)
 
     @property
     def last_received_step_id(self) -> int:

@@ -72,6 +72,7 @@ __all__ = [
     "RetryPolicy",
     "Stats",
     "StepResult",
+    "WorkerStatus",
 ]
 
 Response = TypeVar("Response")
@@ -119,6 +120,16 @@ class BlockTables(NamedTuple):
 class ReplicaHit(NamedTuple):
     replica_id: str
     num_cached_tokens: int
+
+
+class WorkerStatus(NamedTuple):
+    """A worker registered with the manager (see GetStatsResponse.workers)."""
+
+    worker_id: str
+    acked_step_id: int
+    lag_steps: int
+    streaming: bool
+    idle_ms: float
 
 
 @dataclass(frozen=True)
@@ -266,7 +277,12 @@ class KVManagerClient:
         )
 
     def ack_steps(self, worker_id: str, step_id: int) -> None:
+        """`worker_id`, registered by `watch_steps`, did every step up to `step_id`."""
         self._call(self.stub.AckSteps, pb.AckStepsRequest(worker_id=worker_id, step_id=step_id))
+
+    def unregister_worker(self, worker_id: str) -> None:
+        """`worker_id` leaves at once (a clean shutdown): the copies only it held are released."""
+        self._call(self.stub.UnregisterWorker, pb.UnregisterWorkerRequest(worker_id=worker_id))
 
     def reset_prefix_cache(self) -> bool:
         return self._call(self.stub.ResetPrefixCache, pb.ResetPrefixCacheRequest()).ok
@@ -309,6 +325,13 @@ class KVManagerClient:
 
     def stats(self) -> Stats:
         return convert.stats_from(self._read(self.stub.GetStats, pb.GetStatsRequest()))
+
+    def workers(self) -> tuple[WorkerStatus, ...]:
+        """The workers registered with the manager, by id (operator only, when tokens are on)."""
+        response = self._read(self.stub.GetStats, pb.GetStatsRequest())
+        return tuple(
+            WorkerStatus(w.worker_id, w.acked_step_id, w.lag_steps, w.streaming, w.idle_ms) for w in response.workers
+        )
 
     # -- streams -------------------------------------------------------------------
 

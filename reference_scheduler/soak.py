@@ -42,6 +42,7 @@ from kv_manager_service.client import (
     Op,
     StepResult,
 )
+from kv_manager_service.rpc.errors import FailedPreconditionError
 from kv_manager_service.workload import TokenExpander, load_trace, scaled_length
 from kvcache.v1 import kv_manager_pb2 as pb
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
@@ -267,7 +268,11 @@ class AckingWorker:
     def execute(self, step_id: int, requests: Sequence[Scheduled]) -> ExecuteResult:
         self.num_calls += 1
         if self.num_calls % self.ack_every == 0:
-            self.client.ack_steps(self.worker_id, step_id)
+            try:
+                self.client.ack_steps(self.worker_id, step_id)
+            except FailedPreconditionError:  # not registered yet, or silent past --worker-timeout-s
+                register_worker(self.client, self.worker_id)
+                self.client.ack_steps(self.worker_id, step_id)
             self.counters.num_acks += 1
         token_ids = self.rng.choices(_VOCABULARY, k=len(requests))
         return ExecuteResult(
@@ -371,10 +376,27 @@ class EndState(NamedTuple):
         return found
 
 
+def register_worker(client: KVManagerClient, worker_id: str, timeout_s: float = 30.0) -> None:
+    """Register `worker_id` as having done every step so far, as a worker registers: with a WatchSteps
+    stream (from the next step), closed here once GetStats lists the worker. It then stays registered
+    while it acknowledges often enough (the manager's --worker-timeout-s)."""
+    last_step_id = client.stub.GetStats(pb.GetStatsRequest(), timeout=client.timeout_s).last_step_id
+    stream = client.watch_steps(worker_id, last_step_id + 1)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while worker_id not in {w.worker_id for w in client.workers()}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {worker_id} was not registered within {timeout_s:g}s")
+            time.sleep(0.01)
+    finally:
+        stream.cancel()
+
+
 def settle(client: KVManagerClient, worker_id: str) -> EndState:
     """Acknowledge, as `worker_id`, every step issued so far (releasing all copies), then read the pool."""
     step_id = client.stub.GetStats(pb.GetStatsRequest(), timeout=client.timeout_s).last_step_id
     if step_id:
+        register_worker(client, worker_id)
         client.ack_steps(worker_id, step_id)
     stats = client.stub.GetStats(pb.GetStatsRequest(), timeout=client.timeout_s)
     tables = client.block_tables()

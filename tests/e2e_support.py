@@ -75,9 +75,15 @@ def start_stack(
 
 
 def stop_stack(stack: Stack, processes: list[LaunchedProcess]) -> list[str]:
-    stack.manager_client.close()
+    """Stop the worker, whose clean shutdown unregisters it from the manager, then the manager."""
     stack.worker_client.close()
-    return stop_all(processes)
+    failures = stop_all([stack.worker])
+    if not failures:
+        registered = stack.manager_client.workers()
+        if registered:
+            failures.append(f"the worker's clean shutdown left the manager with registered workers {registered}")
+    stack.manager_client.close()
+    return failures + stop_all([process for process in processes if process is not stack.worker])
 
 
 class DenseOracle:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from kv_manager_service.rpc.arg_types import fraction, positive_int
 from kv_manager_service.rpc.ports import PortUnavailableError
+from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES
 from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
 
 # The trace ships in the repository's data/ folder, beside the package.
@@ -164,7 +165,16 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     serve.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default %(default)s)")
     serve.add_argument("--replica-id", default=socket.gethostname(), help="this replica's name (default: the host name)")
-    serve.add_argument("--max-workers", type=positive_int, default=32, help="RPC threads; each open stream holds one (default %(default)s)")
+    serve.add_argument(
+        "--max-workers", type=positive_int, default=32,
+        help="threads that run unary calls; streams, GetStats and health checks run on the event loop and hold "
+        "none (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--shutdown-grace-s", type=float, default=5.0,
+        help="on SIGTERM, calls in flight get this long before they are cancelled; the process then exits 0 "
+        "(default %(default)s)",
+    )  # fmt: skip
     serve.add_argument(
         "--max-tokens-per-call", type=positive_int, default=1 << 20, help="token ids in one call (default %(default)s)"
     )
@@ -175,6 +185,20 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--idempotency-retention", type=positive_int, default=100_000,
         help="keyed Steps remembered for retries (idempotency_key); older keys are forgotten (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--idempotency-retention-bytes", type=positive_int, default=128 << 20, metavar="BYTES",
+        help="at most this many bytes of keys and responses of keyed Steps are remembered (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--step-retention-bytes", type=positive_int, default=128 << 20, metavar="BYTES",
+        help="the step log WatchSteps serves keeps at most this many bytes of deltas, and at most 100000 "
+        "steps; a worker that falls further behind resyncs (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--event-retention-bytes", type=positive_int, default=64 << 20, metavar="BYTES",
+        help="the event log WatchEvents and the mirror follow keeps about this many bytes of events, and at "
+        "most 100000 events; a reader that falls further behind resyncs (default %(default)s)",
     )  # fmt: skip
     serve.add_argument(
         "--check-invariants", action="store_true",
@@ -189,12 +213,33 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default="default", help="namespaces the mirror's keys (default %(default)s)")
     serve.add_argument(
         "--lease-ttl-s", type=float, default=10.0,
-        help="the replica's lease in Redis expires after this long without a heartbeat (default %(default)s)",
+        help="the replica's lease in Redis expires after this long without a heartbeat; a second manager with "
+        "the same --replica-id waits this long for it to lapse, then refuses to start (default %(default)s)",
     )
     serve.add_argument(
+        "--worker-timeout-s", type=float, default=10.0,
+        help="a worker registered by WatchSteps that has no stream open and sends no AckSteps for this long is "
+        "dropped, and the copy-on-write copies only it held are released (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--cluster-lookup-timeout-ms", type=int, default=50,
+        help="FindCacheHit(cluster=true) waits this long for Redis, then answers from this replica alone; "
+        "after a failure, lookups skip Redis for 1 s (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
         "--metrics-port", type=int,
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST is --host); 0 picks a free port "
-        "(default: no metrics endpoint)",
+        help="serve Prometheus metrics at http(s)://HOST:PORT/metrics (HOST is --metrics-host); 0 picks a free "
+        "port; with --auth-token-file they need an operator's or the --metrics-token-file token, over HTTPS with "
+        "--tls-cert, and a client certificate with --tls-ca (default: no metrics endpoint)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--metrics-host", metavar="HOST",
+        help="address the metrics endpoint binds (default: --host); a loopback address serves them without a "
+        "token, and without the per-tenant series, when no token may read them",
+    )  # fmt: skip
+    serve.add_argument(
+        "--metrics-token-file", type=Path, metavar="FILE",
+        help="a scrape token, one line: it reads /metrics, without the per-tenant series, and calls no RPC",
     )  # fmt: skip
     serve.add_argument(
         "--journal", type=Path,
@@ -205,6 +250,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--journal-fsync", choices=["always", "never"], default="always",
         help="always: each record reaches the disk before the reply (survives power loss); never: it reaches "
         "the operating system before the reply (survives a crash of the process) (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--journal-compact-bytes", type=int, default=DEFAULT_COMPACT_BYTES, metavar="BYTES",
+        help="restart the journal from a snapshot of the whole state once the records since the last snapshot "
+        "pass BYTES and the snapshot's size, so a restart replays little; 0 never compacts (default %(default)s)",
     )  # fmt: skip
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     serve.add_argument(
@@ -230,6 +280,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kv_manager_service.rpc.logs import configure_logging
+    from kv_manager_service.rpc.metrics_endpoint import load_scrape_token_file
     from kv_manager_service.server.process import ServerOptions, serve
     from kv_manager_service.server.replica import ServiceLimits
 
@@ -240,18 +291,27 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         replica_id=args.replica_id,
         max_workers=args.max_workers,
+        grace_s=args.shutdown_grace_s,
         max_message_bytes=args.max_message_bytes,
         limits=ServiceLimits(
             max_tokens_per_call=args.max_tokens_per_call,
             max_ops_per_step=args.max_ops_per_step,
             idempotency_retention=args.idempotency_retention,
+            idempotency_retention_bytes=args.idempotency_retention_bytes,
+            step_retention_bytes=args.step_retention_bytes,
+            event_retention_bytes=args.event_retention_bytes,
         ),
         redis_url=args.redis_url,
         model_name=args.model_name,
         lease_ttl_s=args.lease_ttl_s,
+        worker_timeout_s=args.worker_timeout_s,
+        cluster_lookup_timeout_ms=args.cluster_lookup_timeout_ms,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        metrics_tokens=load_scrape_token_file(args.metrics_token_file) if args.metrics_token_file else None,
         journal_path=args.journal,
         journal_fsync=args.journal_fsync,
+        journal_compact_bytes=args.journal_compact_bytes,
         check_invariants=args.check_invariants,
         **security_options(args),
     )

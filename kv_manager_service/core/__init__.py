@@ -36,6 +36,7 @@ from kv_manager_service.core.ops import (
     StepDelta,
     StepResult,
 )
+from kv_manager_service.core.state import CoreState, RequestSnapshot
 
 __all__ = [
     "AllBlocksCleared",
@@ -50,6 +51,7 @@ __all__ = [
     "BlockStored",
     "BlockTable",
     "CacheHit",
+    "CoreState",
     "FailedPreconditionError",
     "ForkOp",
     "ForkResult",
@@ -71,6 +73,7 @@ __all__ = [
     "PrefixLookupKeys",
     "RequestExistsError",
     "RequestNotFoundError",
+    "RequestSnapshot",
     "ResourceExhaustedError",
     "Stats",
     "StepDelta",

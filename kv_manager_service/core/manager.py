@@ -53,6 +53,7 @@ from kv_manager_service.core.ops import (
 )
 from kv_manager_service.core.invariants import check_invariants
 from kv_manager_service.core.request import RequestState
+from kv_manager_service.core.state import CoreState, export_state, restore_state
 from kv_manager_service.core.validation import StepValidator, check_mm_features, check_token_ids
 
 
@@ -484,6 +485,22 @@ class KVCacheManager:
                     if not block.is_null:
                         block.ref_cnt += 1
             self.requests[child_id] = child
+
+    # -- snapshots -----------------------------------------------------------------
+
+    def export_state(self) -> CoreState:
+        """The whole state as plain data, for a snapshot (see state.py). Changes nothing."""
+        return export_state(self)
+
+    @classmethod
+    def from_state(cls, config: KVCacheConfig, state: CoreState) -> "KVCacheManager":
+        """A core that behaves on every later op exactly as the one `state` was exported from.
+
+        ValueError when the state's parts disagree (see `restore_state`).
+        """
+        manager = cls(config)
+        restore_state(manager, state)
+        return manager
 
     # -- invariants ----------------------------------------------------------------
 

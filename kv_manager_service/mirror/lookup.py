@@ -4,10 +4,19 @@ A lookup is one pipelined round trip: the replica set, the leases of the
 replicas known so far, and the entry of every block hash of the request. A
 replica discovered by that round trip has its lease read by a second, small
 one (once). Per replica the prefix stops at its first missing block.
+
+A lookup is on the RPC path, so it has a budget: its Redis client is its
+own (no lookup waits behind the writer's calls) and its socket timeout is
+the budget. After a failure the lookups skip Redis for `skip_after_failure_s`,
+then one lookup probes it: a Redis that is down or stuck costs one budget
+per period, not one per call. The caller answers from its own pool then.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,6 +24,8 @@ import redis
 
 from kv_manager_service.core.ops import PrefixLookupKeys
 from kv_manager_service.mirror.schema import ClusterUnavailableError, KeySchema, Lease
+
+log = logging.getLogger("kv_manager_service.mirror.lookup")
 
 
 @dataclass(frozen=True)
@@ -25,24 +36,52 @@ class ReplicaPrefix:
 
 
 class ClusterIndex:
-    """Longest cached prefix per live replica, from the mirror. Thread safe for reads."""
+    """Longest cached prefix per live replica, from the mirror. Thread safe for reads.
 
-    def __init__(self, client: redis.Redis, schema: KeySchema) -> None:
+    `client` is the lookups' own: its socket timeout is their budget.
+    """
+
+    def __init__(self, client: redis.Redis, schema: KeySchema, skip_after_failure_s: float = 1.0) -> None:
         self.client = client
         self.schema = schema
+        self.skip_after_failure_s = skip_after_failure_s
         self._known_replicas: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+        self._skip_until = 0.0  # monotonic; lookups before it do not call Redis
+        self._failing = False  # the last lookup that called Redis failed
         self.num_failures = 0  # lookups that could not read Redis
+        self.num_skipped = 0  # lookups that did not call Redis after a recent failure
 
     def lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[ReplicaPrefix]:
         """Per live replica, how many leading `block_hashes` of `group_id` it holds cached.
 
-        Raises ClusterUnavailableError when Redis cannot be read.
+        Raises ClusterUnavailableError when Redis cannot be read within the
+        budget, or is skipped after a recent failure.
         """
+        with self._lock:
+            now = time.monotonic()
+            if now < self._skip_until:
+                self.num_skipped += 1
+                raise ClusterUnavailableError("skipped: Redis failed recently")
+            if self._failing:  # this lookup probes Redis; the others skip meanwhile
+                self._skip_until = now + self.skip_after_failure_s
         try:
-            return self._lookup(group_id, block_hashes)
+            prefixes = self._lookup(group_id, block_hashes)
         except redis.RedisError as error:
-            self.num_failures += 1
+            with self._lock:
+                self.num_failures += 1
+                if not self._failing:
+                    log.warning("cluster lookup failed (%s); lookups answer for this replica only, "
+                                "probing Redis every %.1fs", error, self.skip_after_failure_s)  # fmt: skip
+                self._failing = True
+                self._skip_until = time.monotonic() + self.skip_after_failure_s
             raise ClusterUnavailableError(str(error)) from error
+        if self._failing:
+            with self._lock:
+                self._failing = False
+                self._skip_until = 0.0
+            log.info("cluster lookups read Redis again")
+        return prefixes
 
     def prefix_hits(self, keys: PrefixLookupKeys) -> list[tuple[str, int]]:
         """(replica id, cached tokens) per live replica for a prompt's lookup keys.

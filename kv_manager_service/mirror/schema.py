@@ -16,6 +16,11 @@ across a Redis Cluster; writers batch them in pipelines.
 A reader trusts a block entry only if the replica's lease is alive and names
 the same incarnation: entries of dead replicas, or of a replica's earlier
 life, are ignored.
+
+One replica id has one holder. A writer claims, renews and drops its lease
+with compare-and-set scripts (`CLAIM_LEASE`, `DROP_LEASE`) that act only
+when the key is absent or names the writer's own incarnation, so two
+managers started with one id never overwrite each other's lease.
 """
 
 from __future__ import annotations
@@ -27,7 +32,35 @@ from dataclasses import dataclass
 
 
 class ClusterUnavailableError(Exception):
-    """The mirror could not be read (Redis down or slow)."""
+    """The mirror could not be read (Redis down or slow), or lookups skip Redis after a recent failure."""
+
+
+class ReplicaIdInUseError(ValueError):
+    """Another live manager holds this replica id's lease: this one must not serve under it."""
+
+
+# KEYS[1]: the lease; ARGV: our incarnation, the new lease JSON, its TTL in ms.
+# Sets the lease if it is absent (returns 0) or ours (returns 1); otherwise
+# leaves it and returns it. The incarnation is compared as a string: it
+# exceeds the 2**53 that Lua's numbers hold exactly.
+CLAIM_LEASE = """
+local current = redis.call('GET', KEYS[1])
+if current and string.match(current, '"incarnation": *(%d+)') ~= ARGV[1] then
+  return current
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+if current then return 1 end
+return 0
+"""
+
+# KEYS[1]: the lease; ARGV[1]: our incarnation. Deletes the lease only if it is ours.
+DROP_LEASE = """
+local current = redis.call('GET', KEYS[1])
+if current and string.match(current, '"incarnation": *(%d+)') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)

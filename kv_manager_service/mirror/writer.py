@@ -7,8 +7,17 @@ is published while at least one cached block of this replica carries it
 or the writer falls behind the log's retention, it sets a resync flag; on
 recovery it takes a snapshot of the pool's cached set, deletes what it had
 published and no longer holds, writes the rest, and resumes the deltas, so
-the mirror converges to exactly what the pool holds. A heartbeat refreshes
-the replica's lease.
+the mirror converges to exactly what the pool holds.
+
+The lease. A heartbeat claims or renews the replica's lease by
+compare-and-set (schema.CLAIM_LEASE). The writer writes only while it holds
+the lease: from a renewal until three quarters of the TTL after it was sent,
+which ends before Redis can expire the key and let another manager claim it.
+A lease held by another incarnation is waited on for up to about one TTL (a
+crashed predecessor's lease lapses; a live twin renews it); after that, or
+at once if this writer held the lease before, the writer is fenced: it stops
+for good, logs an ERROR and sets `metrics.fenced`. Entries of one replica id
+therefore always come from one manager.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import redis
 
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kv_manager_service.mirror.schema import KeySchema, Lease
+from kv_manager_service.mirror.schema import CLAIM_LEASE, DROP_LEASE, KeySchema, Lease, ReplicaIdInUseError
 
 log = logging.getLogger("kv_manager_service.mirror.writer")
 
@@ -54,6 +63,7 @@ class MirrorMetrics:
     num_published: int = 0  # events applied to Redis
     queue_depth: int = 0  # events logged but not yet written
     lag_ms: float = 0.0  # age of the newest event written, when written
+    fenced: bool = False  # another manager holds this replica id's lease: nothing is written any more
 
 
 class MirrorWriter:
@@ -81,6 +91,11 @@ class MirrorWriter:
         self._unsure: set[BlockKey] = set()  # keys a failed pipeline may have written
         self._next_sequence = 1
         self._resync = True
+        self._claim_lease = client.register_script(CLAIM_LEASE)
+        self._drop_lease = client.register_script(DROP_LEASE)
+        self._held_until = 0.0  # monotonic; we may write before it
+        self._ever_held = False
+        self._refused_since: float | None = None  # monotonic; first refusal while we never held the lease
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._write_loop, name="mirror-writer", daemon=True),
@@ -92,14 +107,41 @@ class MirrorWriter:
             thread.start()
 
     def stop(self) -> None:
-        """Stop writing and drop the lease, so readers stop trusting our entries now."""
+        """Stop writing and drop the lease if it is ours, so readers stop trusting our entries now."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5)
         try:
-            self.client.delete(self.schema.lease(self.replica_id))
+            self._drop_lease(keys=[self.schema.lease(self.replica_id)], args=[self.incarnation])
         except redis.RedisError:
             pass
+
+    def claim_at_start(self) -> None:
+        """Claim the lease before the server serves, waiting up to about one TTL for another's to lapse.
+
+        Raises ReplicaIdInUseError when another incarnation keeps it alive.
+        When Redis cannot be reached it returns: the heartbeat claims later,
+        and fences the writer instead of refusing the start.
+        """
+        deadline = time.monotonic() + self._wait_for_other_s
+        warned = False
+        while True:
+            try:
+                other = self._renew()
+            except redis.RedisError as error:
+                self.metrics.num_failures += 1
+                log.warning("Redis unreachable at start (%s); claiming the lease of %r in the background",
+                            error, self.replica_id)  # fmt: skip
+                return
+            if other is None:
+                return
+            if time.monotonic() >= deadline:
+                raise ReplicaIdInUseError(self._in_use_message(other))
+            if not warned:
+                log.warning("replica id %r is leased by incarnation %d at %s; waiting up to %.1fs for it to lapse",
+                            self.replica_id, other.incarnation, other.address, self._wait_for_other_s)  # fmt: skip
+                warned = True
+            self._stop.wait(self.options.lease_ttl_s / 10)
 
     # -- writer --------------------------------------------------------------------
 
@@ -108,6 +150,11 @@ class MirrorWriter:
         while not self._stop.is_set():
             # Counted on every pass, so that it also grows while a failing resync retries.
             self.metrics.queue_depth = max(0, self.events.last_id - self._next_sequence + 1)
+            if time.monotonic() >= self._held_until:
+                if self.metrics.fenced:
+                    return
+                self._stop.wait(0.02)  # not leased (yet, or lapsed): the heartbeat claims it
+                continue
             try:
                 if self._resync:
                     self._republish()
@@ -196,20 +243,54 @@ class MirrorWriter:
 
     # -- lease -----------------------------------------------------------------------
 
+    @property
+    def _wait_for_other_s(self) -> float:
+        """How long another incarnation's lease is waited on: one TTL, and one heartbeat for slack."""
+        return self.options.lease_ttl_s * 4 / 3
+
     def _heartbeat_loop(self) -> None:
-        ttl_ms = int(self.options.lease_ttl_s * 1000)
         while not self._stop.is_set():
             try:
-                pipe = self.client.pipeline(transaction=False)
-                pipe.set(self.schema.lease(self.replica_id), self.lease().to_json(), px=ttl_ms, get=True)
-                pipe.sadd(self.schema.replicas, self.replica_id)
-                previous, _ = pipe.execute()
-                if previous is None:
-                    # No lease: this is our first heartbeat, or Redis restarted
-                    # (or lost data) without the writer seeing an error. Either
-                    # way a republication makes the mirror whole.
-                    self._resync = True
+                other = self._renew()
+                if other is not None and (
+                    self._ever_held or time.monotonic() - self._refused_since >= self._wait_for_other_s
+                ):
+                    self._fence(other)
+                    return
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
                 log.warning("lease heartbeat failed: %s", error)
             self._stop.wait(self.options.lease_ttl_s / 3)
+
+    def _renew(self) -> Lease | None:
+        """Claim or renew our lease; None when we hold it now, else the other incarnation's lease."""
+        sent = time.monotonic()
+        ttl_ms = int(self.options.lease_ttl_s * 1000)
+        key = self.schema.lease(self.replica_id)
+        outcome = self._claim_lease(keys=[key], args=[self.incarnation, self.lease().to_json(), ttl_ms])
+        if not isinstance(outcome, int):
+            self._held_until = 0.0
+            self._refused_since = self._refused_since or sent
+            return Lease.from_json(self.replica_id, outcome)
+        if outcome == 0:
+            # No lease: this is our first claim, or Redis restarted (or lost
+            # data) without the writer seeing an error. Either way a
+            # republication makes the mirror whole.
+            self._resync = True
+        self._held_until = sent + self.options.lease_ttl_s * 3 / 4
+        self._ever_held = True
+        self.client.sadd(self.schema.replicas, self.replica_id)
+        return None
+
+    def _fence(self, other: Lease) -> None:
+        self.metrics.fenced = True
+        self._held_until = 0.0
+        log.error("%s; this manager stopped writing to the mirror and serves from its own pool only",
+                  self._in_use_message(other))  # fmt: skip
+
+    def _in_use_message(self, other: Lease) -> str:
+        return (
+            f"replica id {self.replica_id!r} is held by another live manager (incarnation {other.incarnation} "
+            f"at {other.address or 'an unknown address'}) in the same Redis: give each manager its own "
+            "--replica-id, or stop the other one first"
+        )

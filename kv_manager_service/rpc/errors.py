@@ -73,3 +73,9 @@ class PermissionDeniedError(KVCacheError):
     """The caller is known but its role may not make this call. Raised by the service, never by the core."""
 
     reason = "PERMISSION_DENIED"
+
+
+class ShuttingDownError(KVCacheError):
+    """The server is stopping and takes no more mutations (UNAVAILABLE: retry, here after the restart or elsewhere)."""
+
+    reason = "SHUTTING_DOWN"

@@ -8,6 +8,12 @@ Values JSON cannot hold are written as their `str`; non-ASCII characters
 are escaped, so a line stays valid whatever the stream's encoding. The text
 format prints the same extra fields as `key=value` after the message.
 
+A line stays small whatever a caller sent: the message is cut to
+MAX_LOGGED_MESSAGE_CHARS, each string of an extra field to
+MAX_LOGGED_VALUE_CHARS, each list to its first MAX_LOGGED_IDS entries, and
+a traceback to MAX_LOGGED_TRACEBACK_CHARS; a cut keeps the head and the tail
+and says how many characters it dropped.
+
 Both `kv-manager serve` and `gpu-worker` call `configure_logging` once, before
 anything logs; uncaught exceptions (main thread or any other) are logged
 through it too, so stderr stays one record per line.
@@ -25,6 +31,9 @@ from typing import Any
 
 LOG_FORMATS = ("json", "text")
 MAX_LOGGED_IDS = 32  # ids listed in one log line; a call may carry thousands
+MAX_LOGGED_MESSAGE_CHARS = 2048
+MAX_LOGGED_VALUE_CHARS = 256  # one string of an extra field: a whole request id
+MAX_LOGGED_TRACEBACK_CHARS = 16384
 
 # Attributes every LogRecord has; anything else on a record came from `extra`.
 _RECORD_ATTRIBUTES = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
@@ -32,12 +41,54 @@ _CORE_FIELDS = ("ts", "level", "logger", "msg", "exc")
 
 
 def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The fields a caller attached with `extra={...}`, in the order given."""
+    """The fields a caller attached with `extra={...}`, in the order given, each cut to size (`bounded`)."""
     return {
-        key: value
+        key: bounded(value)
         for key, value in record.__dict__.items()
         if key not in _RECORD_ATTRIBUTES and key not in _CORE_FIELDS and not key.startswith("_")
     }
+
+
+def shorten(text: str, max_chars: int) -> str:
+    """`text`, or its head and tail with the number of characters cut between them (at most `max_chars` + ~40)."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}...[{len(text) - max_chars} characters cut]...{text[len(text) - tail:]}"
+
+
+def bounded(value: Any) -> Any:
+    """A log field's value cut to size: strings shortened, lists cut to MAX_LOGGED_IDS entries (then a count
+    of the rest), dicts likewise; numbers, booleans and None as they are, anything else as its shortened `str`."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return shorten(value, MAX_LOGGED_VALUE_CHARS)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+        kept = [bounded(item) for item in items[:MAX_LOGGED_IDS]]
+        return kept + [f"...{len(items) - MAX_LOGGED_IDS} more"] if len(items) > MAX_LOGGED_IDS else kept
+    if isinstance(value, dict):
+        kept = {str(key)[:MAX_LOGGED_VALUE_CHARS]: bounded(item) for key, item in list(value.items())[:MAX_LOGGED_IDS]}
+        if len(value) > MAX_LOGGED_IDS:
+            kept["..."] = f"{len(value) - MAX_LOGGED_IDS} more"
+        return kept
+    return shorten(str(value), MAX_LOGGED_VALUE_CHARS)
+
+
+def message(record: logging.LogRecord) -> str:
+    """The record's formatted message, shortened to MAX_LOGGED_MESSAGE_CHARS."""
+    return shorten(record.getMessage(), MAX_LOGGED_MESSAGE_CHARS)
+
+
+def exception_text(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """The record's traceback (or its cached text), shortened to MAX_LOGGED_TRACEBACK_CHARS; None if it has none."""
+    if record.exc_info:
+        return shorten(formatter.formatException(record.exc_info), MAX_LOGGED_TRACEBACK_CHARS)
+    if record.exc_text:
+        return shorten(record.exc_text, MAX_LOGGED_TRACEBACK_CHARS)
+    return None
 
 
 def iso_utc(created: float) -> str:
@@ -54,13 +105,12 @@ class JsonFormatter(logging.Formatter):
             "ts": iso_utc(record.created),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": message(record),
         }
         entry.update(extra_fields(record))
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        elif record.exc_text:
-            entry["exc"] = record.exc_text
+        exc = exception_text(self, record)
+        if exc is not None:
+            entry["exc"] = exc
         if record.stack_info:
             entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry, default=str)
@@ -69,11 +119,13 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """`ts LEVEL logger: message key=value ...`, then the traceback, if any, on the following lines."""
 
-    def __init__(self) -> None:
-        super().__init__("%(levelname)s %(name)s: %(message)s")
-
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{iso_utc(record.created)} {super().format(record)}"
+        line = f"{iso_utc(record.created)} {record.levelname} {record.name}: {message(record)}"
+        exc = exception_text(self, record)
+        if exc is not None:
+            line = f"{line}\n{exc}"
+        if record.stack_info:
+            line = f"{line}\n{self.formatStack(record.stack_info)}"
         fields = extra_fields(record)
         if not fields:
             return line

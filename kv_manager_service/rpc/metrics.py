@@ -1,4 +1,4 @@
-"""Prometheus plumbing shared by the manager and the worker: per-RPC timing and errors, the endpoint.
+"""Prometheus plumbing shared by the manager and the worker: per-RPC timing and errors.
 
 Every server owns a `CollectorRegistry` of its own (never the process-wide
 default), so several servers in one process do not collide. Values a server
@@ -6,20 +6,20 @@ already keeps are read when Prometheus scrapes, by a collector of its own
 (the manager's: `kv_manager_service.server.metrics`); only what nothing else
 records (per-RPC durations and error codes) is recorded per call, by
 `RpcMetricsInterceptor`, as `<prefix>_rpc_duration_seconds{method}` and
-`<prefix>_rpc_errors_total{method,code}`.
+`<prefix>_rpc_errors_total{method,code}`. The endpoint serving a registry
+is `kv_manager_service.rpc.metrics_endpoint`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-from wsgiref.simple_server import WSGIServer
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+
+from kv_manager_service.rpc.aio import is_async
 
 # 0.1 ms .. 1 s: a point lookup takes tens of microseconds, a 256-op Step ~2 ms.
 RPC_DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -47,6 +47,11 @@ class _ErrorCounts:
         if child is None:
             child = self._children.setdefault(code, self._counter.labels(self._method, code.name))
         child.inc()
+
+    def inc_unless_ok(self, code: grpc.StatusCode | None) -> None:
+        """Count a call that returned: with a status set other than OK, it failed."""
+        if code is not None and code is not grpc.StatusCode.OK:
+            self.inc(code)
 
 
 class RpcMetricsInterceptor(grpc.ServerInterceptor):
@@ -121,9 +126,25 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
 
 def _timed_unary(behavior: Callable, observe: Callable[[float], None], errors: _ErrorCounts) -> Callable:
     clock = time.perf_counter
-    ok = grpc.StatusCode.OK
+    if is_async(behavior):
+
+        async def unary_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = clock()
+            try:
+                response = await behavior(request, context)
+            except Exception:
+                errors.inc(context.code())
+                raise
+            finally:
+                observe(clock() - started)
+            errors.inc_unless_ok(context.code())
+            return response
+
+        return unary_async
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        if not hasattr(context, "code"):
+            context = _CodeRecorder(context)
         started = clock()
         try:
             response = behavior(request, context)
@@ -133,15 +154,26 @@ def _timed_unary(behavior: Callable, observe: Callable[[float], None], errors: _
             raise
         finally:
             observe(clock() - started)
-        code = context.code()
-        if code is not None and code is not ok:
-            errors.inc(code)
+        errors.inc_unless_ok(context.code())
         return response
 
     return unary
 
 
 def _counted_stream(behavior: Callable, errors: _ErrorCounts) -> Callable:
+    if is_async(behavior):
+
+        async def stream_async(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except Exception:
+                errors.inc(context.code())
+                raise
+            errors.inc_unless_ok(context.code())  # a refused stream sets its status and ends (status.end_call)
+
+        return stream_async
+
     def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
             yield from behavior(request, context)
@@ -152,33 +184,26 @@ def _counted_stream(behavior: Callable, errors: _ErrorCounts) -> Callable:
     return stream
 
 
-@dataclass
-class MetricsServer:
-    """The HTTP endpoint serving one registry in the Prometheus text format."""
+class _CodeRecorder:
+    """The context of a plain handler on a grpc.aio server, which cannot say its status code; this one can."""
 
-    httpd: WSGIServer
-    thread: threading.Thread
-    host: str
+    __slots__ = ("_context", "_code")
 
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.httpd.server_port}"
+    def __init__(self, context: Any) -> None:
+        self._context = context
+        self._code: grpc.StatusCode | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
-    def stop(self) -> None:
-        """Stop serving and close the socket; returns once the serving thread has ended."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+        self._context.set_code(code)
 
+    def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code = code
+        self._context.abort(code, details)
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
-    """Serve `registry` at http://HOST:PORT/metrics (port 0: a free one) from a daemon thread."""
-    try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as error:
-        raise OSError(f"could not bind the metrics endpoint {host}:{port}: {error}") from error
-    return MetricsServer(httpd, thread, host)
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+

@@ -7,18 +7,22 @@ caller's mistake. `ParseErrorInterceptor` gives every unary-request method
 a deserializer that never raises (bytes that do not parse become an
 `Unparsed` value) and a behavior that answers an `Unparsed` request with
 INVALID_ARGUMENT and the usual ErrorInfo (reason `INVALID_ARGUMENT`, field
-`request`). Well-formed requests pay one extra Python call.
+`request`). Well-formed requests are then checked against the limits of
+`rpc.bounds`, so a string or list past its limit is refused the same way,
+naming the field, before any handler sees it.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import grpc
 
-from kv_manager_service.rpc.errors import InvalidArgumentError
-from kv_manager_service.rpc.status import abort
+from kv_manager_service.rpc import bounds
+from kv_manager_service.rpc.errors import InvalidArgumentError, KVCacheError
+from kv_manager_service.rpc.status import end_call
 
 log = logging.getLogger("kv_manager_service.server.servicer")
 
@@ -79,18 +83,56 @@ def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 def _refusing_unparsed(behavior: Callable, name: str) -> Callable:
-    # Also right for server streams: the status is set before any response.
+    """`behavior`, after a check that refuses an unparsed request; of `behavior`'s kind (see rpc/aio.py).
+
+    Also right for server streams: the status is set before any response.
+    """
+    if inspect.isasyncgenfunction(behavior):
+
+        async def refusing_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            error = _refusal(request, name)
+            if error is not None:
+                end_call(context, error)
+                return
+            async for response in behavior(request, context):
+                yield response
+
+        return refusing_stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def refusing_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            error = _refusal(request, name)
+            if error is not None:
+                end_call(context, error)
+                return None
+            return await behavior(request, context)
+
+        return refusing_async
+
     def refusing(request: Any, context: grpc.ServicerContext) -> Any:
-        if type(request) is Unparsed:
-            error = InvalidArgumentError(
-                f"the {request.num_bytes}-byte request is not a valid {name} request message ({request.error})",
-                "request",
-            )
-            log.info(
-                "%s rejected: %s", name, error,
-                extra={"method": name, "code": "INVALID_ARGUMENT", "reason": error.reason, "field": error.field},
-            )  # fmt: skip
-            abort(context, error)
+        error = _refusal(request, name)
+        if error is not None:
+            end_call(context, error)
+            return None
         return behavior(request, context)
 
     return refusing
+
+
+def _refusal(request: Any, name: str) -> KVCacheError | None:
+    """The error that refuses `request` before its handler runs (logged here), or None to let it through:
+    bytes that did not parse, or a field past its limit (`bounds`)."""
+    if type(request) is not Unparsed:
+        error = bounds.violation(request)
+        if error is None:
+            return None
+    else:
+        error = InvalidArgumentError(
+            f"the {request.num_bytes}-byte request is not a valid {name} request message ({request.error})",
+            "request",
+        )
+    log.info(
+        "%s rejected: %s", name, error,
+        extra={"method": name, "code": "INVALID_ARGUMENT", "reason": error.reason, "field": error.field},
+    )  # fmt: skip
+    return error

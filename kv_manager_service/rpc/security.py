@@ -52,13 +52,13 @@ import stat
 from collections import namedtuple
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
 from kv_manager_service.rpc.errors import KVCacheError
 from kv_manager_service.rpc.errors import PermissionDeniedError, UnauthenticatedError
-from kv_manager_service.rpc.status import abort, status_code
+from kv_manager_service.rpc.status import end_call, status_code
 
 log = logging.getLogger("kv_manager_service.rpc.security")
 
@@ -377,13 +377,17 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
 def _rejection(handler: grpc.RpcMethodHandler | None, method: str, error: KVCacheError) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with `error`; the request stays unparsed."""
 
-    def reject(request: Any, context: grpc.ServicerContext) -> Any:
+    def reject(request: Any, context: grpc.ServicerContext) -> None:
         log.info(
             "%s rejected: %s", method, error,
             extra={"method": method, "code": status_code(error).name, "reason": error.reason, "peer": context.peer()},
         )  # fmt: skip
-        abort(context, error)
+        end_call(context, error)
+
+    def reject_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        reject(request, context)
+        yield from ()
 
     if handler is not None and handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(reject)
+        return grpc.unary_stream_rpc_method_handler(reject_stream)
     return grpc.unary_unary_rpc_method_handler(reject)

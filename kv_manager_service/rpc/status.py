@@ -4,6 +4,12 @@ A rejected call ends with the mapped status code and a `google.rpc.ErrorInfo`
 in the status details (`reason`, domain `kvcache.v1`, metadata `field`). The
 same reason and field are also sent as trailing metadata (`kvcache-reason`,
 `kvcache-field`) for clients without the rich-status helpers.
+
+The message travels twice in the trailing metadata (the status details and
+`grpc-message`), whose size gRPC clients cap (8 KiB by default): past it the
+caller would read RESOURCE_EXHAUSTED instead of the real status. So a
+message is cut to MAX_STATUS_MESSAGE_BYTES of UTF-8, keeping its head and
+tail: even percent-encoded it leaves room for the rest.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from kv_manager_service.rpc.errors import (
     RequestExistsError,
     RequestNotFoundError,
     ResourceExhaustedError,
+    ShuttingDownError,
     UnauthenticatedError,
 )
 
 ERROR_DOMAIN = "kvcache.v1"
+MAX_STATUS_MESSAGE_BYTES = 1024
 
 
 
@@ -38,6 +46,7 @@ STATUS_CODES: dict[type[KVCacheError], grpc.StatusCode] = {
     OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -48,18 +57,47 @@ def status_code(error: KVCacheError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
-def abort(context: grpc.ServicerContext, error: KVCacheError) -> None:
-    """End the call with the status mapped from `error` (raises, as grpc's abort does)."""
+def end_call(context: grpc.ServicerContext, error: KVCacheError) -> None:
+    """End the call with the status mapped from `error`.
+
+    On a threaded server this raises, as grpc's abort does. On a grpc.aio
+    server (a plain handler's context or a coroutine's) it sets the status
+    and returns, and the handler must then return None: an abort there
+    raises an exception whose traceback keeps the request alive until the
+    cycle collector runs, so refused megabyte requests would pile up.
+    """
+    status = _status(error)
+    if isinstance(context, grpc.ServicerContext):
+        context.abort_with_status(status)
+    context.set_trailing_metadata(status.trailing_metadata)
+    context.set_code(status.code)
+    context.set_details(status.details)
+
+
+def _status(error: KVCacheError) -> grpc.Status:
     code = status_code(error)
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
     if error.field:
         info.metadata["field"] = error.field
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(error), details=[detail])
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=short_message(str(error)), details=[detail])
     rich = rpc_status.to_status(status)
     metadata = tuple(rich.trailing_metadata) + (("kvcache-reason", error.reason), ("kvcache-field", error.field or ""))
-    context.abort_with_status(_Status(rich.code, rich.details, metadata))
+    return _Status(rich.code, rich.details, metadata)
+
+
+def short_message(message: str) -> str:
+    """`message`, or its head and tail around a note of what was cut: at most MAX_STATUS_MESSAGE_BYTES of UTF-8."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    note = f"...[{len(encoded)} bytes in all, cut]..."
+    keep = (MAX_STATUS_MESSAGE_BYTES - len(note)) // 2
+    # errors="ignore" drops a character cut in two at either edge.
+    head = encoded[:keep].decode(errors="ignore")
+    tail = encoded[len(encoded) - keep :].decode(errors="ignore")
+    return f"{head}{note}{tail}"
 
 
 class _Status(grpc.Status):

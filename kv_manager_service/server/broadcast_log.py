@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
-from typing import Generic, Iterator, TypeVar
+from typing import AsyncIterator, Callable, Generic, TypeVar
 
 Item = TypeVar("Item")
 
@@ -21,24 +22,44 @@ class LogTruncatedError(Exception):
 
 
 class BroadcastLog(Generic[Item]):
-    """Entries numbered 1, 2, ... in append order; the newest `capacity` are kept.
+    """Entries numbered 1, 2, ... in append order; the newest `capacity` are kept, and with `max_bytes`,
+    only as many of the newest as fit in `max_bytes` by `size_of` (the newest entry is always kept).
 
-    Writers append under their own serialization; readers iterate from any
-    retained number and block for new entries until the log is closed. Thread
-    safe: one condition guards the deque.
+    Writers append under their own serialization, from any thread; readers
+    `read` from any retained number, or `follow` it on an event loop, waiting
+    for new entries without a thread until the log is closed. One condition
+    guards the deque and the waiters; each append wakes every waiting reader.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self, capacity: int, max_bytes: int | None = None, size_of: Callable[[Item], int] | None = None
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"log capacity must be >= 1, got {capacity}")
-        self._entries: deque[Item] = deque(maxlen=capacity)
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"log max_bytes must be >= 1, got {max_bytes}")
+        if (max_bytes is None) != (size_of is None):
+            raise ValueError("a log bounded in bytes needs both max_bytes and size_of")
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self._size_of = size_of
+        self.num_bytes = 0  # of the retained entries, by size_of (0 without max_bytes)
+        self._entries: deque[Item] = deque()
         self._last_id = 0
         self._closed = False
         self._changed = threading.Condition()
+        # Futures of readers waiting for news on an event loop, by loop: one wake-up call per loop.
+        self._waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
 
     @property
     def last_id(self) -> int:
         return self._last_id
+
+    def start_after(self, last_id: int) -> None:
+        """Number the next entry `last_id + 1`: a log restored from a snapshot, before any append."""
+        with self._changed:
+            assert self._last_id == 0 and not self._entries, "only an empty, new log starts elsewhere"
+            self._last_id = last_id
 
     @property
     def first_retained_id(self) -> int:
@@ -48,8 +69,11 @@ class BroadcastLog(Generic[Item]):
     def append(self, item: Item) -> int:
         with self._changed:
             self._entries.append(item)
+            if self._size_of is not None:
+                self.num_bytes += self._size_of(item)
             self._last_id += 1
-            self._changed.notify_all()
+            self._trim()
+            self._notify()
             return self._last_id
 
     def extend(self, items: list[Item]) -> None:
@@ -57,14 +81,17 @@ class BroadcastLog(Generic[Item]):
             return
         with self._changed:
             self._entries.extend(items)
+            if self._size_of is not None:
+                self.num_bytes += sum(map(self._size_of, items))
             self._last_id += len(items)
-            self._changed.notify_all()
+            self._trim()
+            self._notify()
 
     def close(self) -> None:
         """Wake every reader; iterators end after draining what is retained."""
         with self._changed:
             self._closed = True
-            self._changed.notify_all()
+            self._notify()
 
     def check_retained(self, first_id: int) -> None:
         """Raise LogTruncatedError if entry `first_id` (>= 1) was dropped."""
@@ -87,20 +114,17 @@ class BroadcastLog(Generic[Item]):
             end = min(len(entries), offset + max_items)
             return [(first_id + i - offset, entries[i]) for i in range(offset, end)]
 
-    def follow(self, first_id: int, poll_s: float = 0.5) -> Iterator[tuple[int, Item] | None]:
-        """Yield (id, item) from `first_id` on, forever, until the log closes.
+    async def follow(self, first_id: int) -> AsyncIterator[tuple[int, Item]]:
+        """Yield (id, item) from `first_id` on, until the log closes; on an event loop.
 
-        Yields None every `poll_s` seconds without news, so the caller can
-        check whether its client is still there. Raises LogTruncatedError if
-        the reader falls behind the retained window.
+        Waiting costs a future, not a thread. Raises LogTruncatedError if the
+        reader falls behind the retained window. A cancelled reader (its
+        client left) leaves a done future behind until the next append.
         """
+        loop = asyncio.get_running_loop()
         next_id = max(first_id, 1)
         while True:
             with self._changed:
-                if next_id < self.first_retained_id:
-                    raise LogTruncatedError(next_id, self.first_retained_id)
-                if next_id > self._last_id and not self._closed:
-                    self._changed.wait(poll_s)
                 if next_id < self.first_retained_id:
                     raise LogTruncatedError(next_id, self.first_retained_id)
                 offset = next_id - self.first_retained_id
@@ -108,11 +132,42 @@ class BroadcastLog(Generic[Item]):
                 entries = self._entries
                 batch = [entries[i] for i in range(offset, len(entries))]
                 closed = self._closed
-            if not batch:
-                if closed:
-                    return
-                yield None
-                continue
-            for item in batch:
-                yield next_id, item
-                next_id += 1
+                if not batch and not closed:
+                    waiter = loop.create_future()
+                    self._waiters.setdefault(loop, []).append(waiter)
+            if batch:
+                for item in batch:
+                    yield next_id, item
+                    next_id += 1
+            elif closed:
+                return
+            else:
+                await waiter
+
+    def _trim(self) -> None:
+        """Drop the oldest entries past `capacity` or `max_bytes`, keeping the newest. Holds `_changed`."""
+        entries = self._entries
+        while len(entries) > self.capacity:
+            self._drop_oldest()
+        while self.max_bytes is not None and self.num_bytes > self.max_bytes and len(entries) > 1:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        item = self._entries.popleft()
+        if self._size_of is not None:
+            self.num_bytes -= self._size_of(item)
+
+    def _notify(self) -> None:
+        """Wake every reader, blocked or on a loop. Holds `_changed`."""
+        self._changed.notify_all()
+        if self._waiters:
+            for loop, waiters in self._waiters.items():
+                if not loop.is_closed():  # a closed loop's readers are gone
+                    loop.call_soon_threadsafe(_resolve, waiters)
+            self._waiters = {}
+
+
+def _resolve(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)

@@ -12,10 +12,13 @@ fields in another order) matches, and a different request under the same
 key is refused (`IdempotencyKeyReusedError`). Only accepted steps are
 remembered; a rejected call changed nothing and may simply be sent again.
 
-The memory holds the last `retention` keyed steps, oldest forgotten first; a
-key repeated after that is applied as a new step. Entries are kept
-serialized (a 256-request decode response is a few KiB) and parsed only when
-a retry asks for one.
+The memory holds the last `retention` keyed steps, and no more than
+`max_bytes` of them (key, fingerprint, response and ENTRY_OVERHEAD_BYTES
+each), oldest forgotten first; a key repeated after that is applied as a
+new step. The newest entry is always kept, whatever its size. Entries are
+kept serialized (a 256-request decode response is a few KiB) and parsed
+only when a retry asks for one. A key has at most `rpc.bounds.MAX_ID_CHARS`
+characters as sent (checked before the handler; a tenant's prefix comes on top).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from collections import OrderedDict
 
 from google.protobuf.message import Message
 
-from kv_manager_service.rpc.errors import IdempotencyKeyReusedError, InvalidArgumentError
+from kv_manager_service.rpc.errors import IdempotencyKeyReusedError
 
-MAX_KEY_LENGTH = 256  # characters; a UUID has 36
-
+# What an entry costs beside its key, fingerprint and response: the dict's slot and links, the
+# tuple and the objects' headers (tracemalloc: ~270 bytes with a UUID key's fingerprint).
+ENTRY_OVERHEAD_BYTES = 256
 
 
 def request_fingerprint(request: Message) -> bytes:
@@ -36,25 +40,23 @@ def request_fingerprint(request: Message) -> bytes:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
 
 
-def check_key(key: str) -> None:
-    if len(key) > MAX_KEY_LENGTH:
-        raise InvalidArgumentError(
-            f"idempotency_key has {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed", "idempotency_key"
-        )
-
-
 class StepKeys:
-    """The last `retention` keyed steps: key -> (request fingerprint, serialized response).
+    """The last `retention` keyed steps, within `max_bytes`: key -> (request fingerprint, serialized response).
 
     Not thread-safe: the servicer reads and writes it under its lock, in the
     same critical section that applies the step, so two copies of one keyed
     request sent at once still apply it once.
     """
 
-    def __init__(self, retention: int) -> None:
+    def __init__(self, retention: int, max_bytes: int | None = None) -> None:
+        """`max_bytes`: None, no bound in bytes."""
         if retention < 1:
             raise ValueError(f"retention must be >= 1, got {retention}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.retention = retention
+        self.max_bytes = max_bytes
+        self.num_bytes = 0  # of the entries held, as `_entry_bytes` counts them
         self._entries: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -79,13 +81,27 @@ class StepKeys:
             )
         return entry[1]
 
+    def items(self) -> list[tuple[str, bytes, bytes]]:
+        """(key, fingerprint, response) of every entry, oldest first: what `put` in order restores."""
+        return [(key, fingerprint, response) for key, (fingerprint, response) in self._entries.items()]
+
     def forget(self, key: str) -> None:
-        self._entries.pop(key, None)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.num_bytes -= _entry_bytes(key, entry)
 
     def put(self, key: str, fingerprint: bytes, response: bytes) -> None:
-        """Remember an applied step's response; forgets the oldest entry past the retention."""
+        """Remember an applied step's response; forgets the oldest entries past the retention or max_bytes."""
         assert key not in self._entries, f"idempotency key {key!r} is already remembered"
         entries = self._entries
-        entries[key] = (fingerprint, response)
-        if len(entries) > self.retention:
-            entries.popitem(last=False)
+        entry = (fingerprint, response)
+        entries[key] = entry
+        self.num_bytes += _entry_bytes(key, entry)
+        while len(entries) > self.retention or (
+            self.max_bytes is not None and self.num_bytes > self.max_bytes and len(entries) > 1
+        ):
+            self.num_bytes -= _entry_bytes(*entries.popitem(last=False))
+
+
+def _entry_bytes(key: str, entry: tuple[bytes, bytes]) -> int:
+    return len(key) + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD_BYTES

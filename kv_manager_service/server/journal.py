@@ -1,6 +1,6 @@
 """The manager's journal: an append-only local file of every accepted mutation.
 
-Record framing (format 2, little-endian):
+Record framing (formats 2 and 3, little-endian):
 
     | u32 payload length | u32 CRC-32 of the payload | u32 CRC-32 of the 8 bytes before | payload |
 
@@ -10,7 +10,20 @@ whose header checks. The first record is a header naming the format, the
 replica and its pool; a journal only restores the same pool. A file of
 format 1 (one CRC over the payload only) is refused with a message saying to
 move it aside: reading it and appending to it would keep the framing whose
-damaged lengths passed for a torn tail.
+damaged lengths passed for a torn tail. Format 3 adds the snapshot record;
+format 2 files (no snapshot) are read and appended to as they are, and their
+first compaction rewrites them in format 3. A newer format is refused.
+
+Compaction. The records since the last snapshot are replayed at every start,
+so once they pass `compact_bytes` and the size of the file's snapshot (so
+that compacting costs at most as much as was appended since), the replica
+writes a snapshot of its whole state between two mutations (`compact`): the
+header and the snapshot go to `<journal>.compacting`, which is fsynced and
+renamed over the journal, then the directory is fsynced, and appends go on
+in the new file. A crash at any point leaves the old journal or the new one
+whole: a `.compacting` file found at open is an unfinished compaction and is
+deleted. A compaction that cannot write its file (disk full) leaves the
+journal as it was and is tried again after as many bytes more.
 
 A record is written (one `write`) before the call's reply is sent and before
 workers can see its step, so a crash of the process, SIGKILL included, loses
@@ -26,7 +39,8 @@ payload short or failing its checksum), then nothing but zero bytes (a power
 loss can leave the file longer than what reached the disk). Its call was
 never answered. Any other damage refuses the start, naming the byte offset,
 and leaves the file as it is. A bad last record whose header checks cannot
-be told from a torn write, so it is cut too.
+be told from a torn write, so it is cut too, unless it is a compacted
+journal's snapshot (its header says one follows).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -44,7 +59,10 @@ from kvcache.v1 import journal_pb2 as pb
 
 log = logging.getLogger("kv_manager_service.server.journal")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # written by this manager
+READ_FORMAT_VERSIONS = (2, 3)
+DEFAULT_COMPACT_BYTES = 16 << 20
+COMPACTING_SUFFIX = ".compacting"
 FSYNC_POLICIES = ("always", "never")
 _FRAME = struct.Struct("<III")  # payload length, payload CRC-32, CRC-32 of the first 8 bytes
 _FORMAT_1_FRAME = struct.Struct("<II")  # payload length, payload CRC-32
@@ -58,12 +76,20 @@ class JournalError(ValueError):
 class Journal:
     """An open journal: the records it held when opened, and appends from then on."""
 
-    def __init__(self, path: Path, fd: int, fsync: str, records: list[pb.JournalRecord]) -> None:
+    def __init__(
+        self, path: Path, fd: int, fsync: str, records: list[pb.JournalRecord], header: pb.JournalHeader,
+        compact_bytes: int, num_bytes: int, snapshot_end: int,
+    ) -> None:  # fmt: skip
         self.path = path
         self.fd = fd
         self.fsync = fsync == "always"
         self.records = records  # as read at open, header excluded
         self.num_appended = 0
+        self.header = header  # of a compacted file
+        self.compact_bytes = compact_bytes  # 0: never compact
+        self.num_bytes = num_bytes  # the file's size
+        self.snapshot_end = snapshot_end  # where the file's snapshot (or header) ends: what a start does not replay
+        self._compact_after = max(compact_bytes, snapshot_end)  # bytes past snapshot_end
 
     @classmethod
     def open(
@@ -73,24 +99,35 @@ class Journal:
         pool: str,
         fsync: str = "always",
         on_write_failure: Callable[["Journal", OSError], None] | None = None,
+        compact_bytes: int = DEFAULT_COMPACT_BYTES,
     ) -> "Journal":
         """Open (or create) the journal at `path` for this replica and pool, reading what it holds.
 
         Cuts a torn tail off the file; raises JournalError, the file untouched, on any other damage.
         A new journal's header that cannot be written goes to `on_write_failure` (None: raises),
-        as every later append's failure goes to the replica's.
+        as every later append's failure goes to the replica's. `compact_bytes`: see the module
+        docstring; 0 never compacts.
         """
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"journal fsync policy must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
+        if compact_bytes < 0:
+            raise ValueError(f"journal compact_bytes must be >= 0, got {compact_bytes}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            unfinished = path.with_name(path.name + COMPACTING_SUFFIX)
+            if unfinished.exists():
+                log.warning(
+                    "journal %s: deleting %s, left by a compaction that did not finish (the journal is whole)",
+                    path, unfinished, extra={"journal": str(path)},
+                )  # fmt: skip
+                unfinished.unlink()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as error:
             raise JournalError(f"cannot open the journal {path}: {error.strerror}") from error
         try:
             size = os.fstat(fd).st_size
             data = os.pread(fd, size, 0) if size else b""
-            records, valid_bytes = _read(data, path)
+            records, ends, valid_bytes = _read(data, path)
             if records:
                 _check_header(records[0], path, replica_id, pool)  # before the file is changed
             if valid_bytes < size:
@@ -99,10 +136,11 @@ class Journal:
                     path, size - valid_bytes, valid_bytes, extra={"journal": str(path)},
                 )  # fmt: skip
                 os.ftruncate(fd, valid_bytes)
-            journal = cls(path, fd, fsync, records[1:])
+            header = pb.JournalHeader(format_version=FORMAT_VERSION, replica_id=replica_id, pool=pool)
+            snapshot_end = ends[1] if len(records) > 1 and records[1].WhichOneof("entry") == "snapshot" else 0
+            journal = cls(path, fd, fsync, records[1:], header, compact_bytes, valid_bytes, snapshot_end)
             if records:
                 return journal
-            header = pb.JournalHeader(format_version=FORMAT_VERSION, replica_id=replica_id, pool=pool)
             try:
                 journal.append(pb.JournalRecord(header=header))
             except OSError as error:
@@ -116,15 +154,61 @@ class Journal:
 
     def append(self, record: pb.JournalRecord) -> None:
         """Write one record; with fsync="always", force it to disk before returning."""
-        payload = record.SerializeToString()
-        length_and_crc = struct.pack("<II", len(payload), zlib.crc32(payload))
-        frame = length_and_crc + struct.pack("<I", zlib.crc32(length_and_crc)) + payload
-        written = os.write(self.fd, frame)
-        if written != len(frame):
-            raise OSError(f"journal {self.path}: wrote {written} of {len(frame)} bytes")
+        frame = _frame(record)
+        _write(self.fd, frame, self.path)
         if self.fsync:
             os.fsync(self.fd)
         self.num_appended += 1
+        self.num_bytes += len(frame)
+
+    def compaction_due(self) -> bool:
+        """Whether the records since the file's snapshot are worth replacing by a new one (module docstring)."""
+        return self.compact_bytes > 0 and self.num_bytes - self.snapshot_end >= self._compact_after
+
+    def compact(self, snapshot: pb.JournalSnapshot) -> bool:
+        """Replace the file by its header and `snapshot`, atomically (see the module docstring); appends
+        go on in the new file. The caller holds the state still: `snapshot` is all it has journaled.
+
+        Returns False, the journal unchanged, when the new file cannot be written; raises OSError
+        when the directory cannot be synced after the rename (the new file may not outlive a power loss).
+        """
+        started = time.perf_counter()
+        temp = self.path.with_name(self.path.name + COMPACTING_SUFFIX)
+        header = pb.JournalHeader(snapshot_follows=True)
+        header.MergeFrom(self.header)
+        frames = _frame(pb.JournalRecord(header=header)) + _frame(pb.JournalRecord(snapshot=snapshot))
+        fd = -1
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            _write(fd, frames, temp)
+            os.fsync(fd)
+        except OSError as error:
+            if fd >= 0:
+                os.close(fd)
+                temp.unlink(missing_ok=True)
+            self._compact_after = self.num_bytes - self.snapshot_end + max(self.compact_bytes, self.snapshot_end)
+            log.error(
+                "journal %s: cannot compact (%s); appending to the journal as it is, trying again later",
+                self.path, error, extra={"journal": str(self.path)},
+            )  # fmt: skip
+            return False
+        os.rename(temp, self.path)
+        old_fd, self.fd = self.fd, fd
+        os.close(old_fd)
+        num_bytes_before, self.num_bytes = self.num_bytes, len(frames)
+        self.snapshot_end = len(frames)
+        self._compact_after = max(self.compact_bytes, self.snapshot_end)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        log.info(
+            "journal %s: compacted %d bytes into a %d-byte snapshot in %.3fs",
+            self.path, num_bytes_before, len(frames), time.perf_counter() - started,
+            extra={"journal": str(self.path), "snapshot_bytes": len(frames)},
+        )  # fmt: skip
+        return True
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -132,9 +216,22 @@ class Journal:
             self.fd = -1
 
 
-def _read(data: bytes, path: Path) -> tuple[list[pb.JournalRecord], int]:
-    """(records, bytes they span). Stops at a torn tail; raises JournalError on damage before it."""
+def _frame(record: pb.JournalRecord) -> bytes:
+    payload = record.SerializeToString()
+    length_and_crc = struct.pack("<II", len(payload), zlib.crc32(payload))
+    return length_and_crc + struct.pack("<I", zlib.crc32(length_and_crc)) + payload
+
+
+def _write(fd: int, data: bytes, path: Path) -> None:
+    written = os.write(fd, data)
+    if written != len(data):
+        raise OSError(f"journal {path}: wrote {written} of {len(data)} bytes")
+
+
+def _read(data: bytes, path: Path) -> tuple[list[pb.JournalRecord], list[int], int]:
+    """(records, where each ends, bytes they span). Stops at a torn tail; raises JournalError on damage before it."""
     records = []
+    ends = []
     offset = 0
     while offset < len(data):
         end, damage = _frame_end(data, offset)
@@ -144,11 +241,12 @@ def _read(data: bytes, path: Path) -> tuple[list[pb.JournalRecord], int]:
                     f"journal {path} is in format 1, written by an earlier version; this manager reads format "
                     f"{FORMAT_VERSION}: move the file aside to start empty"
                 )
-            if _is_torn_tail(data, offset):
+            follows_header = len(records) == 1 and records[0].header.snapshot_follows
+            if _is_torn_tail(data, offset) and not follows_header:  # a snapshot was synced before it was used
                 break
+            what = "is the journal's snapshot" if follows_header else "is not the file's last write"
             raise JournalError(
-                f"journal {path}: the record at byte {offset} {damage} and is not the file's last write "
-                f"(the file is damaged): {_WHAT_TO_DO}"
+                f"journal {path}: the record at byte {offset} {damage} and {what} (the file is damaged): {_WHAT_TO_DO}"
             )
         record = pb.JournalRecord()
         try:
@@ -158,8 +256,9 @@ def _read(data: bytes, path: Path) -> tuple[list[pb.JournalRecord], int]:
                 f"journal {path}: the record at byte {offset} does not parse ({error}): {_WHAT_TO_DO}"
             ) from error
         records.append(record)
+        ends.append(end)
         offset = end
-    return records, offset
+    return records, ends, offset
 
 
 def _frame_end(data: bytes, offset: int) -> tuple[int, str | None]:
@@ -208,10 +307,11 @@ def _check_header(record: pb.JournalRecord, path: Path, replica_id: str, pool: s
     if record.WhichOneof("entry") != "header":
         raise JournalError(f"journal {path}: the first record is not a header: {_WHAT_TO_DO}")
     header = record.header
-    if header.format_version != FORMAT_VERSION:
+    if header.format_version not in READ_FORMAT_VERSIONS:
         raise JournalError(
-            f"journal {path}: format version {header.format_version}, this manager reads {FORMAT_VERSION}: "
-            "move the file aside to start empty"
+            f"journal {path}: format version {header.format_version}, this manager reads "
+            f"{' and '.join(map(str, READ_FORMAT_VERSIONS))}: a newer manager wrote it; run that version, "
+            "or move the file aside to start empty"
         )
     if header.replica_id != replica_id:
         raise JournalError(

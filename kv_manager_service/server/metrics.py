@@ -14,12 +14,18 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_evictions_total` | counter | cached blocks evicted for reuse |
 | `kvcache_num_pending_copies` | gauge | block copies not yet acknowledged by the workers |
 | `kvcache_last_step_id` | gauge | the last step id issued |
+| `kvcache_workers_registered` | gauge | workers registered by WatchSteps (copies wait for each) |
+| `kvcache_worker_lag_steps{worker_id}` | gauge | steps issued that the worker has not acknowledged |
+| `kvcache_worker_streaming{worker_id}` | gauge | 1 while a WatchSteps stream of the worker is open |
+| `kvcache_worker_idle_seconds{worker_id}` | gauge | since it was last heard from (0 while streaming); dropped at `--worker-timeout-s` |
 | `kvcache_last_event_sequence` | gauge | the last cache event logged |
 | `kvcache_mirror_enabled` | gauge | 1 when the Redis mirror is on |
 | `kvcache_mirror_lag_seconds` | gauge | age of the newest event the mirror wrote, when it wrote it |
 | `kvcache_mirror_queue_depth` | gauge | events logged but not yet written to Redis |
 | `kvcache_mirror_failures_total` | counter | Redis calls that failed |
 | `kvcache_mirror_resyncs_total` | counter | full re-publications of the cached set |
+| `kvcache_mirror_fenced` | gauge | 1 when another live manager holds this replica id's lease: the mirror stopped writing |
+| `kvcache_mirror_lookups_skipped_total` | counter | cluster lookups that skipped Redis after a recent failure |
 | `kvcache_rpc_duration_seconds{method}` | histogram | time in the handler of each unary call |
 | `kvcache_rpc_errors_total{method,code}` | counter | calls that ended with a status other than OK |
 | `kvcache_tenant_blocks{tenant}` | gauge | with `--multi-tenant`: blocks the tenant holds (see tenancy.py) |
@@ -29,6 +35,13 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_tenant_prefix_cache_query_tokens_total{tenant}`, `..._hit_tokens_total{tenant}` | counter | its prompt tokens looked up, and found, in the prefix cache |
 
 plus the `process_*` metrics (CPU, memory, open files) of the process.
+
+Tenant names are as private as the tenants' tokens: with bearer tokens on,
+/metrics reads in full only with an operator token, who may call every RPC
+(and sees every tenant's request ids) anyway. A scrape token, and a reader
+on loopback without a token, read everything but the `kvcache_tenant_*`
+families: `PRIVATE_LABELS` names the label that marks them
+(see kv_manager_service/rpc/metrics_endpoint.py).
 """
 
 from __future__ import annotations
@@ -39,6 +52,9 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kv_manager_service.server.replica import Replica
+
+TENANT_LABEL = "tenant"
+PRIVATE_LABELS = frozenset({TENANT_LABEL})  # series only readers who may call every RPC see
 
 if TYPE_CHECKING:  # the mirror needs the optional redis package
     from kv_manager_service.mirror.lookup import ClusterIndex
@@ -84,6 +100,10 @@ class ManagerCollector:
              mirror.queue_depth if mirror else 0),
             (counter, "kvcache_mirror_failures", "Redis calls of the mirror that failed.",
              num_mirror_failures),
+            (gauge, "kvcache_mirror_fenced", "1 when another live manager holds this replica id's lease.",
+             int(mirror.fenced) if mirror else 0),
+            (counter, "kvcache_mirror_lookups_skipped", "Cluster lookups that skipped Redis after a recent failure.",
+             self.cluster.num_skipped if self.cluster else 0),
             (counter, "kvcache_mirror_resyncs", "Full re-publications of the cached set to Redis.",
              mirror.num_resyncs if mirror else 0),
         ]  # fmt: skip
@@ -91,6 +111,29 @@ class ManagerCollector:
             yield family(name, documentation, value=value)
         if self.replica.tenancy is not None:
             yield from _tenant_metrics(self.replica)
+        yield from _worker_metrics(self.replica)
+
+
+def _worker_metrics(replica: Replica) -> Iterator[Metric]:
+    """The registered workers (see workers.py), labelled by worker_id."""
+    statuses, last_step_id = replica.worker_statuses()
+    yield GaugeMetricFamily(
+        "kvcache_workers_registered", "Workers registered by WatchSteps; copies wait for each.", value=len(statuses)
+    )
+    lag = GaugeMetricFamily(
+        "kvcache_worker_lag_steps", "Steps issued that the worker has not acknowledged.", labels=["worker_id"]
+    )
+    streaming = GaugeMetricFamily(
+        "kvcache_worker_streaming", "1 while a WatchSteps stream of the worker is open.", labels=["worker_id"]
+    )
+    idle = GaugeMetricFamily(
+        "kvcache_worker_idle_seconds", "Since the worker was last heard from; 0 while it streams.", labels=["worker_id"]
+    )
+    for status in statuses:
+        lag.add_metric([status.worker_id], max(0, last_step_id - status.acked_step_id))
+        streaming.add_metric([status.worker_id], int(status.num_streams > 0))
+        idle.add_metric([status.worker_id], status.idle_s)
+    yield from (lag, streaming, idle)
 
 
 def _tenant_metrics(replica: Replica) -> Iterator[Metric]:
@@ -111,11 +154,13 @@ def _tenant_metrics(replica: Replica) -> Iterator[Metric]:
          "The tenant's prompt tokens found in the prefix cache.", lambda u: u.prefix_cache_hits),
     ]  # fmt: skip
     for family, name, documentation, value in families:
-        metric = family(name, documentation, labels=["tenant"])
+        metric = family(name, documentation, labels=[TENANT_LABEL])
         for tenant, u in sorted(usage.items()):
             metric.add_metric([tenant], value(u))
         yield metric
-    quotas = GaugeMetricFamily("kvcache_tenant_quota_blocks", "The tenant's block quota (tenants with one).", labels=["tenant"])
+    quotas = GaugeMetricFamily(
+        "kvcache_tenant_quota_blocks", "The tenant's block quota (tenants with one).", labels=[TENANT_LABEL]
+    )
     for tenant, u in sorted(usage.items()):
         if u.quota_blocks is not None:
             quotas.add_metric([tenant], u.quota_blocks)

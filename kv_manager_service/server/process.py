@@ -20,20 +20,22 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager
-from kv_manager_service.server.journal import Journal
-from kv_manager_service.rpc.metrics import MetricsServer, RpcMetricsInterceptor, new_registry, start_metrics_server
-from kv_manager_service.server.metrics import ManagerCollector
+from kv_manager_service.rpc.aio import AioInterceptor, EventLoopThread
+from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES, Journal
+from kv_manager_service.rpc.metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.rpc.metrics_endpoint import MetricsAccess, MetricsServer, metrics_access, start_metrics_server
+from kv_manager_service.server.metrics import PRIVATE_LABELS, ManagerCollector
 from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
 from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
 from kv_manager_service.server.replica import Replica, ServiceLimits
-from kv_manager_service.server.servicer import KVManagerServicer
+from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
 from kv_manager_service.server.tenancy import Tenancy
 from kvcache.v1 import kv_manager_pb2 as pb
-from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the mirror needs the optional redis package
     from kv_manager_service.mirror.lookup import ClusterIndex
@@ -45,7 +47,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVManagerService"]
 SERVICE_NAME = SERVICE.full_name
 # Calls for the operator role only (workers, routers, dashboards), when tokens are on.
 OPERATOR_METHODS = frozenset(
-    f"/{SERVICE_NAME}/{name}" for name in ("WatchSteps", "AckSteps", "WatchEvents", "ResetPrefixCache")
+    f"/{SERVICE_NAME}/{name}"
+    for name in ("WatchSteps", "AckSteps", "UnregisterWorker", "WatchEvents", "ResetPrefixCache")
 )
 
 
@@ -54,16 +57,21 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     replica_id: str = field(default_factory=socket.gethostname)
-    max_workers: int = 32  # threads; each open stream holds one
+    max_workers: int = 32  # threads for unary calls; streams and cheap reads run on the event loop
     max_message_bytes: int = 64 << 20
     grace_s: float = 5.0  # on SIGTERM, in-flight calls get this long
     limits: ServiceLimits = ServiceLimits()
     redis_url: str | None = None  # None: no mirror, the index stays in-process
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
+    worker_timeout_s: float = 10.0  # a registered worker neither streaming nor acknowledging this long is dropped
+    cluster_lookup_timeout_ms: int = 50  # a cluster lookup's Redis budget; past it, the local answer alone
     journal_path: Path | None = None  # None: no journal; a restart starts empty
     journal_fsync: str = "always"  # or "never": see kv_manager_service/server/journal.py
-    metrics_port: int | None = None  # serve Prometheus metrics on host:metrics_port (0: any free port)
+    journal_compact_bytes: int = DEFAULT_COMPACT_BYTES  # compact past this many bytes since the snapshot; 0: never
+    metrics_port: int | None = None  # serve Prometheus metrics on metrics_host:metrics_port (0: any free port)
+    metrics_host: str | None = None  # None: host
+    metrics_tokens: TokenTable | None = None  # scrape tokens: read /metrics but the per-tenant series
     check_invariants: bool = False  # debugging/testing: check the core after every mutating call
     tls: ServerTLS | None = None  # None: plaintext gRPC
     tokens: TokenTable | None = None  # None: no bearer tokens, every caller may call everything
@@ -76,15 +84,32 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.journal_compact_bytes < 0:
+            raise ValueError(f"--journal-compact-bytes must be >= 0, got {self.journal_compact_bytes}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.metrics_port is not None and self.metrics_port == self.port != 0:
             raise ValueError(f"--metrics-port must differ from --port, both are {self.port}")
+        if self.metrics_port is None and (self.metrics_host is not None or self.metrics_tokens is not None):
+            raise ValueError("--metrics-host and --metrics-token-file need --metrics-port")
+        if self.metrics_port is not None:
+            self.metrics_access()  # refuses an endpoint open to readers who may not call the RPCs
         if not self.replica_id:
             raise ValueError("replica_id must not be empty")
         if self.max_workers < 2:
             raise ValueError(f"max_workers must be >= 2, got {self.max_workers}")
+        if not 0 <= self.grace_s <= 600:
+            raise ValueError(f"--shutdown-grace-s must be in 0..600, got {self.grace_s}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"--worker-timeout-s must be > 0, got {self.worker_timeout_s}")
+        if not 1 <= self.cluster_lookup_timeout_ms <= 60_000:
+            raise ValueError(f"--cluster-lookup-timeout-ms must be in 1..60000, got {self.cluster_lookup_timeout_ms}")
         self._check_security()
+
+    def metrics_access(self) -> MetricsAccess:
+        """Who may read /metrics: the RPCs' TLS, operator tokens or a scrape token (rpc/metrics_endpoint.py)."""
+        host = self.metrics_host or self.host
+        return metrics_access(host, self.tls, self.tokens, self.metrics_tokens, private_labels=PRIVATE_LABELS)
 
     def _check_security(self) -> None:
         if self.multi_tenant:
@@ -107,13 +132,16 @@ class ServerOptions:
 
 @dataclass
 class RunningServer:
-    server: grpc.Server
+    server: grpc.aio.Server
+    loop: EventLoopThread  # runs `server`
+    pool: futures.ThreadPoolExecutor  # runs the server's plain handlers
     replica: Replica
     servicer: KVManagerServicer
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     address: str
     mirror: MirrorWriter | None = None  # None: no --redis-url
     metrics: MetricsServer | None = None  # None: no --metrics-port
+    worker_expiry: WorkerExpiry | None = None  # None: not started yet
 
     @property
     def metrics_address(self) -> str | None:
@@ -121,10 +149,23 @@ class RunningServer:
         return self.metrics.address if self.metrics is not None else None
 
     def stop(self, grace_s: float) -> None:
-        """Refuse new calls, end the streams, let in-flight calls finish, drop the lease, close /metrics."""
-        self.health.enter_graceful_shutdown()
+        """Shut down cleanly under any backlog; nothing is journaled after the journal closes.
+
+        Health checks answer NOT_SERVING and the streams end; new calls are
+        refused; calls in flight get `grace_s`, then are cancelled. Handlers
+        still queued for the thread pool are dropped, and running ones are
+        waited for, so no mutation is under way when the replica closes (it
+        refuses any later one). Then the mirror drops its lease, /metrics
+        closes, and the journal closes.
+        """
+        if self.worker_expiry is not None:
+            self.worker_expiry.stop()
+        self.loop.run(self.health.enter_graceful_shutdown())
+        self.replica.end_streams()
+        self.loop.run(self.server.stop(grace_s))
+        self.pool.shutdown(wait=True, cancel_futures=True)
         self.replica.close()
-        self.server.stop(grace_s).wait()
+        self.loop.close()
         if self.mirror is not None:
             self.mirror.stop()
         if self.metrics is not None:
@@ -148,7 +189,7 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
     if options.journal_path is not None:
         journal = Journal.open(
             options.journal_path, options.replica_id, pool_description(config), options.journal_fsync,
-            on_write_failure=_stop_on_journal_failure,
+            on_write_failure=_stop_on_journal_failure, compact_bytes=options.journal_compact_bytes,
         )  # fmt: skip
     started = time.perf_counter()
     replica = Replica(
@@ -160,6 +201,7 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
         tenancy,
         options.check_invariants,
         on_journal_failure=_stop_on_journal_failure,
+        worker_timeout_s=options.worker_timeout_s,
     )
     if journal is not None:
         stats, last_step_id, _ = replica.stats()
@@ -170,6 +212,29 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
             extra={"journal": str(options.journal_path), "records": len(journal.records)},
         )  # fmt: skip
     return replica
+
+
+class WorkerExpiry:
+    """Drops the workers whose lease ran out (`Replica.expire_workers`) once every `period_s`, until stopped."""
+
+    def __init__(self, replica: Replica, period_s: float = 1.0) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(replica, period_s), name="kv-worker-expiry", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, replica: Replica, period_s: float) -> None:
+        while not self._stopped.wait(period_s):
+            try:
+                replica.expire_workers()
+            except Exception:
+                log.exception("bug in the worker expiry")
+
+    def stop(self) -> None:
+        """Return once no expiry runs or will run."""
+        self._stopped.set()
+        self._thread.join()
 
 
 def _stop_on_journal_failure(journal: Journal, error: OSError) -> None:
@@ -186,7 +251,7 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     """
     check_port_free(options.host, options.port)
     if options.metrics_port is not None:
-        check_port_free(options.host, options.metrics_port, "metrics port")
+        check_port_free(options.metrics_host or options.host, options.metrics_port, "metrics port")
     replica = build_replica(config, options)
     if options.tokens is not None and options.tls is None:
         log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
@@ -198,24 +263,52 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
         # After the metrics (they count what it refuses), before the parser (a refused request is not parsed).
         interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS))
     interceptors.append(ParseErrorInterceptor())  # last, so the metrics count what it refuses
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc"),
-        interceptors=interceptors,
+    loop = EventLoopThread("kv-rpc-loop")
+    pool = futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc")
+    server = loop.run(_new_server(pool, interceptors, options.max_message_bytes))
+    try:
+        return _start(server, loop, pool, replica, registry, config, options)
+    except BaseException:
+        loop.run(server.stop(None))
+        pool.shutdown(cancel_futures=True)
+        loop.close()
+        raise
+
+
+async def _new_server(
+    pool: futures.ThreadPoolExecutor, interceptors: list[grpc.ServerInterceptor], max_message_bytes: int
+) -> grpc.aio.Server:
+    """The gRPC server (not started); made on its event loop."""
+    return grpc.aio.server(
+        migration_thread_pool=pool,
+        interceptors=[AioInterceptor(interceptor) for interceptor in interceptors],
         options=[
-            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
             # Responses are not limited: a step that was applied must be answered (a refused
             # send would tell the caller "refused"), and a worker must get every delta.
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
         ],
     )
+
+
+def _start(
+    server: grpc.aio.Server,
+    loop: EventLoopThread,
+    pool: futures.ThreadPoolExecutor,
+    replica: Replica,
+    registry: CollectorRegistry | None,
+    config: KVCacheConfig,
+    options: ServerOptions,
+) -> RunningServer:
+    """Bind, add the services, the mirror and /metrics, and start serving."""
     port = listen(server, options.host, options.port, options.tls.credentials() if options.tls else None)
     address = f"{options.host}:{port}"
     mirror, cluster = _mirror(replica, address, config, options) if options.redis_url else (None, None)
     mirror_metrics = mirror.metrics if mirror is not None else None
-    servicer = KVManagerServicer(replica, options.tokens, cluster, mirror_metrics)
-    pb_grpc.add_KVManagerServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    servicer = KVManagerServicer(replica, options.tokens, cluster, mirror_metrics, pool)
+    add_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -224,25 +317,32 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     if registry is not None:
         registry.register(ManagerCollector(replica, mirror_metrics, cluster))
         try:
-            metrics = start_metrics_server(registry, options.host, options.metrics_port)
+            metrics = start_metrics_server(
+                registry, options.metrics_host or options.host, options.metrics_port, options.metrics_access()
+            )
         except OSError as error:
-            server.stop(None)
             raise PortUnavailableError(str(error)) from None
-        log.info("metrics at %s", metrics.url, extra={"metrics_url": metrics.url})
-    server.start()
+        readers = metrics.access.describe()
+        log.info("metrics at %s, read with %s", metrics.url, readers, extra={"metrics_url": metrics.url})
+    loop.run(server.start())
     if mirror is not None:
         mirror.start()
         log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), mirror.schema.namespace)
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, replica, servicer, health_servicer, address, mirror, metrics)
+        loop.run(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    return RunningServer(
+        server, loop, pool, replica, servicer, health_servicer, address, mirror, metrics, WorkerExpiry(replica)
+    )
 
 
 def _mirror(
     replica: Replica, address: str, config: KVCacheConfig, options: ServerOptions
 ) -> tuple[MirrorWriter, ClusterIndex]:
-    """The Redis mirror's writer (not started) and the cluster lookup. Redis may be down now:
-    the writer retries in the background."""
+    """The Redis mirror's writer (not started, its lease claimed) and the cluster lookup.
+
+    Raises ReplicaIdInUseError when another live manager holds the replica
+    id's lease. Redis may be down now: the writer claims and retries in the
+    background."""
     try:
         import redis
     except ImportError as e:
@@ -256,6 +356,11 @@ def _mirror(
     if options.redis_tls_ca is not None:
         secrets["ssl_ca_certs"] = str(options.redis_tls_ca)
     client = redis.Redis.from_url(options.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, **secrets)
+    # The lookups' own connections, so that they never wait behind the writer; the timeout is their budget.
+    budget_s = options.cluster_lookup_timeout_ms / 1000
+    lookup_client = redis.Redis.from_url(
+        options.redis_url, socket_timeout=budget_s, socket_connect_timeout=budget_s, **secrets
+    )
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
     writer = MirrorWriter(
         client,
@@ -267,7 +372,8 @@ def _mirror(
         lambda: replica.lease(address),
         MirrorOptions(lease_ttl_s=options.lease_ttl_s),
     )
-    return writer, ClusterIndex(client, schema)
+    writer.claim_at_start()
+    return writer, ClusterIndex(lookup_client, schema)
 
 
 def pool_description(config: KVCacheConfig) -> str:

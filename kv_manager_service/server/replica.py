@@ -10,16 +10,25 @@ before the lock is released:
 - each accepted step appends one serialized `StepDelta` to `steps` (step ids
   are contiguous) and the core's cache events, numbered from 1, to `events`;
   both logs are bounded, and a reader asking for a dropped entry resyncs;
+- the journal restarts from a snapshot of all of this (snapshot.py) once
+  it has grown enough, between two mutations, so a start replays little;
 - each accepted mutation is written to the journal (when there is one)
   before its caller or any worker hears of it; a replica that cannot write
   its journal calls `on_journal_failure` under the lock, which must not return
   to callers as if the step were durable (the server exits);
 - copies are released when every registered worker has acknowledged their
-  step; a worker registers by following the step log or by acknowledging, and
-  stays registered; with no worker registered, any acknowledgement releases;
+  step (workers.py); a worker registers only by following the step log, and
+  stays registered while it streams or acknowledges: one silent for the worker
+  timeout is expired (`expire_workers`), or it unregisters; dropping the last
+  worker releases every pending copy, since no one is left to perform them;
+  after a restart, the journal's workers get a fresh lease;
 - a keyed Step is applied once: the key's lookup, the step and remembering
   its response happen under the lock together, so replaying the journal's
-  Steps in order rebuilds the key memory.
+  Steps in order rebuilds the key memory;
+- each mutation ends by publishing the pool's figures (`stats`), so readers
+  of statistics never wait for the lock behind a long mutation;
+- once closed (shutdown), the replica refuses every mutation with
+  ShuttingDownError, so nothing is journaled after the journal's owner closes it.
 
 With `check_invariants`, every mutation ends with the core's whole-state
 check, accepted or refused; a failure is a bug (AssertionError).
@@ -32,6 +41,7 @@ the servicer's business.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -54,24 +64,36 @@ from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.ops import Op
 from kv_manager_service.mirror.schema import Lease
 from kv_manager_service.rpc import convert
-from kv_manager_service.rpc.errors import InvalidArgumentError, OutOfRangeError, RequestNotFoundError
+from kv_manager_service.rpc.errors import InvalidArgumentError, OutOfRangeError, RequestNotFoundError, ShuttingDownError
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
-from kv_manager_service.server.idempotency import StepKeys, check_key, request_fingerprint
+from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
 from kv_manager_service.server.journal import Journal
+from kv_manager_service.server.snapshot import restore_snapshot, take_snapshot
 from kv_manager_service.server.tenancy import Tenancy
+from kv_manager_service.server.workers import WorkerRegistry, WorkerStatus
 from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
+
+log = logging.getLogger("kv_manager_service.server.replica")
 
 
 @dataclass(frozen=True)
 class ServiceLimits:
-    """Per-call limits and log retention; anything past a limit is refused with a message naming it."""
+    """Per-call limits and log retention; anything past a limit is refused with a message naming it.
+
+    Each retention is bounded in entries and in bytes, whichever is reached
+    first (the defaults in bytes add up to 0.3 GiB; strings and lists of a
+    call are bounded by `rpc.bounds`).
+    """
 
     max_tokens_per_call: int = 1 << 20
     max_ops_per_step: int = 1 << 16
     step_retention: int = 100_000  # step deltas kept for WatchSteps
     event_retention: int = 100_000  # events kept for WatchEvents
     idempotency_retention: int = 100_000  # keyed Steps remembered (see idempotency.py)
+    step_retention_bytes: int = 128 << 20  # serialized step deltas
+    event_retention_bytes: int = 64 << 20  # events, as `logged_event_bytes` estimates them
+    idempotency_retention_bytes: int = 128 << 20  # keys and responses of keyed Steps
 
     def __post_init__(self) -> None:
         for name in (
@@ -80,9 +102,25 @@ class ServiceLimits:
             "step_retention",
             "event_retention",
             "idempotency_retention",
+            "step_retention_bytes",
+            "event_retention_bytes",
+            "idempotency_retention_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def logged_delta_bytes(delta: bytes) -> int:
+    """A serialized StepDelta's memory in the step log: its bytes, the object's header and the log's slot."""
+    return len(delta) + 64
+
+
+def logged_event_bytes(entry: tuple[int, KVEvent]) -> int:
+    """An estimate of a logged event's memory: ~256 bytes of objects, and each hash with its object
+    and slot (a BlockStored of 8 sha256 hashes measures ~890 bytes with tracemalloc)."""
+    event = entry[1]
+    hashes = getattr(event, "block_hashes", ())
+    return 256 + (len(hashes) + 1) * (len(hashes[0]) + 40 if hashes else 0)
 
 
 # A consistent view of the pool for the mirror: its cached (group, hash) counts,
@@ -103,8 +141,13 @@ class Replica:
         tenancy: Tenancy | None = None,
         check_invariants: bool = False,
         on_journal_failure: Callable[[Journal, OSError], None] | None = None,
+        worker_timeout_s: float = 10.0,
     ) -> None:
-        """Build the replica; with a journal, first replay what it holds, then journal from here on."""
+        """Build the replica; with a journal, first replay what it holds, then journal from here on.
+
+        `worker_timeout_s`: a registered worker with no open stream that has not
+        been heard from for this long is dropped by `expire_workers`.
+        """
         if not manager.config.enable_events:
             raise ValueError("a replica needs a core built with enable_events=True")
         if manager.last_step_id != 0:
@@ -117,23 +160,37 @@ class Replica:
         self.check_invariants = check_invariants
         # Reentrant: a keyed Step holds it across the key lookup and the step.
         self.lock = threading.RLock()
-        self.step_keys = StepKeys(limits.idempotency_retention)
+        self.step_keys = StepKeys(limits.idempotency_retention, limits.idempotency_retention_bytes)
         # Serialized StepDeltas: a parsed message costs several times its bytes,
         # and the log holds up to step_retention of them.
-        self.steps: BroadcastLog[bytes] = BroadcastLog(limits.step_retention)
+        self.steps: BroadcastLog[bytes] = BroadcastLog(
+            limits.step_retention, limits.step_retention_bytes, logged_delta_bytes
+        )
         # (monotonic ns when logged, event): stamped for the mirror's lag.
-        self.events: BroadcastLog[tuple[int, KVEvent]] = BroadcastLog(limits.event_retention)
-        self.worker_acks: dict[str, int] = {}
+        self.events: BroadcastLog[tuple[int, KVEvent]] = BroadcastLog(
+            limits.event_retention, limits.event_retention_bytes, logged_event_bytes
+        )
+        self.workers = WorkerRegistry(worker_timeout_s)
         self._on_journal_failure = on_journal_failure
+        self._closed = False
+        self._stats = (manager.stats(), 0, 0)
         self.journal: Journal | None = None
         if journal is not None:
             self._replay(journal.records)
+            self.workers.renew_all(time.monotonic())  # the journal's workers had no chance to call
+            self._stats = (manager.stats(), manager.last_step_id, self.events.last_id)
         self.journal = journal
 
-    def close(self) -> None:
-        """End every follower of the logs (on shutdown); the journal is closed by its owner."""
+    def end_streams(self) -> None:
+        """Close the logs, ending every follower's stream (the first step of a shutdown)."""
         self.steps.close()
         self.events.close()
+
+    def close(self) -> None:
+        """Refuse every later mutation; after this the journal's owner may close it."""
+        with self.lock:
+            self._closed = True
+        self.end_streams()
 
     # -- mutations -----------------------------------------------------------------
 
@@ -141,11 +198,15 @@ class Replica:
     def mutating(self) -> Iterator[None]:
         """Hold the lock around a mutation; with `check_invariants`, check the core as it ends."""
         with self.lock:
+            if self._closed:
+                raise ShuttingDownError("the manager is shutting down; retry after its restart, or on another replica")
+            self._compact_if_due()
             try:
                 yield
             finally:
                 if self.check_invariants:
                     self.manager.check_invariants()
+                self._stats = (self.manager.stats(), self.manager.last_step_id, self.events.last_id)
 
     def step(self, ops: Sequence[Op], num_decode: int = 0, request: pb.StepRequest | None = None) -> StepResult:
         """Apply one step, then log its delta and events and journal it. Invalid input changes nothing.
@@ -197,7 +258,6 @@ class Replica:
         IdempotencyKeyReusedError. A rejected step is not remembered.
         """
         key = request.idempotency_key
-        check_key(key)
         fingerprint = request_fingerprint(request)
         with self.lock:
             stored = self.step_keys.get(key, fingerprint)
@@ -207,29 +267,41 @@ class Replica:
             self.step_keys.put(key, fingerprint, response.SerializeToString())
         return response
 
-    def register_worker(self, worker_id: str, from_step_id: int) -> int:
+    def open_worker_stream(self, worker_id: str, from_step_id: int) -> int:
         """A worker follows the step log from `from_step_id` (0: all that is retained); returns the first step id.
 
-        Registering again is a no-op. Raises OutOfRangeError for a step in the
-        future or no longer retained.
+        The worker is registered (taken to have done every step before the
+        first; registering again changes nothing) and cannot expire until
+        `close_worker_stream` is called once for each call of this; its lease
+        runs from then. Raises OutOfRangeError for a step in the future or no
+        longer retained (nothing is registered then).
         """
         if not worker_id:
             raise InvalidArgumentError("worker_id must not be empty", "worker_id")
-        with self.lock:
+        with self.mutating():
             first = from_step_id or self.steps.first_retained_id
             if first > self.steps.last_id + 1:
                 raise OutOfRangeError(
                     f"from_step_id {first} is in the future (last step is {self.steps.last_id})", "from_step_id"
                 )
             check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
-            if worker_id not in self.worker_acks:
-                self.worker_acks[worker_id] = first - 1
+            if self.workers.register(worker_id, first - 1, time.monotonic()):
                 registered = pb.WatchStepsRequest(worker_id=worker_id, from_step_id=first - 1)
                 self._journal(journal_pb2.JournalRecord(register_worker=registered))
+                log.info("worker %s registered at step %d", worker_id, first - 1, extra={"worker_id": worker_id})
+            self.workers.open_stream(worker_id, time.monotonic())
         return first
 
+    def close_worker_stream(self, worker_id: str) -> None:
+        """A stream `open_worker_stream` opened has ended: the worker's lease runs from now."""
+        with self.lock:
+            self.workers.close_stream(worker_id, time.monotonic())
+
     def ack(self, request: pb.AckStepsRequest) -> None:
-        """A worker finished every step up to `request.step_id`: release what every worker has finished."""
+        """A registered worker finished every step up to `request.step_id`: release what every worker has finished.
+
+        FailedPreconditionError (field worker_id) for a worker that did not register with WatchSteps.
+        """
         if not request.worker_id:
             raise InvalidArgumentError("worker_id must not be empty", "worker_id")
         with self.mutating():
@@ -239,6 +311,30 @@ class Replica:
                 )
             self._ack(request)
             self._journal(journal_pb2.JournalRecord(ack=request))
+
+    def unregister_worker(self, worker_id: str) -> None:
+        """Drop a registered worker at once, releasing the copies only it held.
+
+        FailedPreconditionError (field worker_id) for a worker that is not registered.
+        """
+        with self.mutating():
+            self._drop_worker(worker_id, "unregistered")
+
+    def expire_workers(self) -> list[str]:
+        """Drop every worker without an open stream not heard from for the worker timeout; returns their ids."""
+        with self.mutating():
+            expired = self.workers.expired(time.monotonic())
+            for worker_id in expired:
+                self._drop_worker(worker_id, f"expired (silent for {self.workers.timeout_s:g}s)")
+        return expired
+
+    def worker_statuses(self) -> tuple[list[WorkerStatus], int]:
+        """The registered workers and the last step id the last mutation published.
+
+        Never waits for the lock (as `stats`): a worker's figures may be a moment
+        newer than the step id, so a lag is at least 0.
+        """
+        return self.workers.statuses(time.monotonic()), self._stats[1]
 
     def reset_prefix_cache(self) -> bool:
         """Forget the whole prefix cache; refused (False) while any block is held."""
@@ -250,12 +346,32 @@ class Replica:
         return ok
 
     def _ack(self, request: pb.AckStepsRequest) -> None:
-        acks = self.worker_acks
-        acks[request.worker_id] = max(acks.get(request.worker_id, 0), request.step_id)
+        self.workers.ack(request.worker_id, request.step_id, time.monotonic())
+        self._release()
+
+    def _drop_worker(self, worker_id: str, why: str | None) -> None:
+        """Drop a registered worker, journal it, release what the others have all done, and log
+        why (None: replaying, no line). Holds the lock."""
+        self.workers.remove(worker_id)
+        self._journal(journal_pb2.JournalRecord(unregister_worker=pb.UnregisterWorkerRequest(worker_id=worker_id)))
+        num_pending = len(self.manager.pending_copies())
+        self._release()
+        if why is not None:
+            log.info(
+                "worker %s %s: %d pending copies released, %d workers left",
+                worker_id, why, num_pending - len(self.manager.pending_copies()), len(self.workers),
+                extra={"worker_id": worker_id},
+            )  # fmt: skip
+
+    def _release(self) -> None:
+        """Release the copies of every step all registered workers have done; every copy when none is registered."""
+        step_id = self.workers.min_acked_step_id()
+        if step_id is None:
+            step_id = self.manager.last_step_id
         if self.tenancy is None:
-            self.manager.ack(min(acks.values()))
+            self.manager.ack(step_id)
         else:
-            self.tenancy.ack(self.manager, min(acks.values()))  # credits each tenant with its copies' blocks
+            self.tenancy.ack(self.manager, step_id)  # credits each tenant with its copies' blocks
 
     def _journal(self, record: journal_pb2.JournalRecord) -> None:
         """Write an accepted mutation to the journal. Holds the lock."""
@@ -267,6 +383,20 @@ class Replica:
             if self._on_journal_failure is None:
                 raise
             self._on_journal_failure(self.journal, error)
+
+    def _compact_if_due(self) -> None:
+        """Between two mutations (the lock held, the last one complete): restart the journal from a
+        snapshot once it has grown enough (journal.py). A snapshot that reached the file but may not
+        outlive a power loss is a journal failure."""
+        journal = self.journal
+        if journal is None or not journal.compaction_due():
+            return
+        try:
+            journal.compact(take_snapshot(self))
+        except OSError as error:
+            if self._on_journal_failure is None:
+                raise
+            self._on_journal_failure(journal, error)
 
     def _replay(self, records: Sequence[journal_pb2.JournalRecord]) -> None:
         """Replay a journal's records (header excluded) into this fresh replica, in order."""
@@ -286,12 +416,21 @@ class Replica:
                     # decode columns, though it may have admitted its request: no decode check.
                     self.step(ops)
             elif kind == "ack":
+                # A journal written before registration came only from WatchSteps holds
+                # acknowledgements of workers it never registered: they register here.
+                self.workers.register(record.ack.worker_id, 0, time.monotonic())
                 with self.lock:
                     self._ack(record.ack)
             elif kind == "register_worker":
-                self.worker_acks.setdefault(record.register_worker.worker_id, record.register_worker.from_step_id)
+                registered = record.register_worker
+                self.workers.register(registered.worker_id, registered.from_step_id, time.monotonic())
+            elif kind == "unregister_worker":
+                with self.lock:
+                    self._drop_worker(record.unregister_worker.worker_id, None)
             elif kind == "reset_prefix_cache":
                 assert self.reset_prefix_cache(), "a journaled reset must succeed again"
+            elif kind == "snapshot":
+                restore_snapshot(self, record.snapshot)
             else:
                 raise ValueError(f"unexpected journal record {kind!r}")
 
@@ -331,9 +470,11 @@ class Replica:
         return self.manager.prefix_lookup_keys(token_ids, cache_salt, lora, mm_features)
 
     def stats(self) -> tuple[Stats, int, int]:
-        """The pool's figures, the last step id and the last event sequence, read together."""
-        with self.lock:
-            return self.manager.stats(), self.manager.last_step_id, self.events.last_id
+        """The pool's figures, the last step id and the last event sequence, as the last mutation left them.
+
+        Never waits for the lock: a read of statistics does not queue behind a mutation.
+        """
+        return self._stats
 
     def cached_snapshot(self) -> CachedSnapshot:
         """The pool's cached (group, hash) counts and the last event they include (for the mirror)."""

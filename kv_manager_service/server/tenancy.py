@@ -43,6 +43,7 @@ All methods that touch the counts run under the replica's lock.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 from dataclasses import dataclass
@@ -208,6 +209,16 @@ class Tenancy:
         if any(type(r) is AllocateResult and r.copies for r in result.results):
             self._copy_owners[result.step_id] = tenant
         return result
+
+    def copy_owners(self) -> dict[int, str]:
+        """Step id -> tenant of each step whose copies are pending (for a snapshot)."""
+        return dict(self._copy_owners)
+
+    def restore(self, usage: dict[str, TenantUsage], copy_owners: dict[int, str]) -> None:
+        """Take a snapshot's counts (each tenant keeps the quota it has now) and copy owners."""
+        for tenant, counts in usage.items():
+            self.usage[tenant] = dataclasses.replace(counts, quota_blocks=self._usage(tenant).quota_blocks)
+        self._copy_owners = dict(copy_owners)
 
     def _usage(self, tenant: str) -> TenantUsage:
         # A tenant missing from the token file: only a journal written under an older file names one.

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -62,7 +65,7 @@ def test_a_worker_follows_a_secured_multi_tenant_manager_and_serves_over_tls(tmp
              "--manager-tls-key", str(certs.client_key),
              "--manager-token-file", str(write_private(tmp_path / "worker-token", WORKER_TOKEN + "\n")),
              "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
-             "--auth-token-file", str(write_private(tmp_path / "worker-tokens", EXECUTE_TOKEN))],
+             "--auth-token-file", str(write_private(tmp_path / "worker-tokens", EXECUTE_TOKEN)), "--metrics-port", "0"],
             WORKER_READY_PREFIX, tmp_path / "worker.log",
         )  # fmt: skip
         processes.append(worker)
@@ -88,6 +91,17 @@ def test_a_worker_follows_a_secured_multi_tenant_manager_and_serves_over_tls(tmp
                     plaintext.info()
                 assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert executor.info().worker_id == "worker-0"
+
+        # Its metrics likewise: over TLS, for its token only.
+        (url,) = [json.loads(line)["metrics_url"] for line in worker.log().splitlines() if '"metrics_url"' in line]
+        assert url.startswith("https://")
+        trusting = ssl.create_default_context(cafile=str(certs.ca))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10, context=trusting)
+        assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"].startswith("Bearer ")
+        scrape = urllib.request.Request(url, headers={"Authorization": f"Bearer {EXECUTE_TOKEN}"})
+        with urllib.request.urlopen(scrape, timeout=10, context=trusting) as response:
+            assert b"gpu_worker_" in response.read()
         for process in processes:
             log = process.log()
             for token in (SCHEDULER_TOKEN, WORKER_TOKEN, EXECUTE_TOKEN):

@@ -23,7 +23,7 @@ import redis
 from kv_manager_service.server.broadcast_log import BroadcastLog
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
-from kv_manager_service.mirror.schema import KeySchema, Lease
+from kv_manager_service.mirror.schema import KeySchema, Lease, ReplicaIdInUseError
 from mirror_support import replica_block_set, wait_until
 
 REPLICA = "writer-under-test"
@@ -296,26 +296,24 @@ def test_a_flushed_redis_is_noticed_by_the_heartbeat_and_republished(redis_serve
     assert writer.metrics.num_resyncs >= 2
 
 
-def test_data_lost_before_the_first_heartbeat_is_republished_too(redis_server, rig):
-    """The writer publishes, then Redis loses everything (a restart, a failover) before the
-    heartbeat first writes the lease. That heartbeat finds no lease, as it would after any loss;
-    the mirror must still end up holding the pool's cached set."""
-    pool = StandInPool()
-    pool.store(h(13), h(14))
-    writer, pool, client = rig(pool, start=False)
+def test_writer_writes_nothing_under_another_incarnations_lease(redis_server, rig):
+    """Another incarnation keeps the lease alive (a twin with this replica id): the writer never
+    writes, refuses a start that waits for the lease, is fenced by its heartbeat, and its stop
+    leaves the other's lease in place."""
+    other = Lease(REPLICA, INCARNATION + 1, "127.0.0.1:2", 0, 0.0, 1).to_json()
     admin = redis_server.client()
-
-    def publication_then_data_loss() -> None:
-        wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
-        admin.flushall()
-
-    sets_lease = lambda commands: any(args[0] == "SET" and args[1] == SCHEMA.lease(REPLICA) for args in commands)
-    client.set_trap(sets_lease, then=lambda: None, fail=False, thread="mirror-heartbeat",
-                    before=publication_then_data_loss)
     try:
+        admin.set(SCHEMA.lease(REPLICA), other, px=60_000)
+        pool = StandInPool()
+        pool.store(h(15), h(16))
+        writer, pool, _ = rig(pool, start=False)
+        with pytest.raises(ReplicaIdInUseError, match=f"replica id '{REPLICA}' is held by another live manager"):
+            writer.claim_at_start()
         writer.start()
-        assert client.sprung.wait(CONVERGE_S)
-        wait_converged(redis_server, pool, writer)
-        assert mirrored(redis_server) == {h(13), h(14)}
+        wait_until(lambda: writer.metrics.fenced, bool, CONVERGE_S, "the writer to be fenced")
+        pool.store(h(17))
+        writer.stop()
+        assert not list(admin.scan_iter(match=f"{SCHEMA.namespace}:block:*"))
+        assert admin.get(SCHEMA.lease(REPLICA)) == other.encode()
     finally:
         admin.close()

@@ -66,5 +66,8 @@ def module_server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="module")
 def server(module_server_factory: ServerFactory) -> LaunchedProcess:
-    """The module's default server: one 16-token full-attention group, 64 blocks."""
-    return module_server_factory.start("--replica-id", "replica-test", config=pool_config(64))
+    """The module's default server: one 16-token full-attention group, 64 blocks. Its tests take turns
+    registering one worker, so its lease outlasts the module (worker leases are tested on their own)."""
+    return module_server_factory.start(
+        "--replica-id", "replica-test", "--worker-timeout-s", "3600", config=pool_config(64)
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -93,8 +94,12 @@ def table(stub: pb_grpc.KVManagerServiceStub, request_id: str, group: int = 0) -
 
 
 def snapshot(stub: pb_grpc.KVManagerServiceStub) -> dict[str, Any]:
-    """Everything observable about the state: stats (last step and event included), tables, pending copies."""
+    """Everything observable about the state: stats (last step and event included), tables, pending copies.
+
+    The registered workers are left out: their idle times change by themselves, and they expire.
+    """
     s = stats(stub)
+    s.ClearField("workers")
     response = stub.GetBlockTables(pb.GetBlockTablesRequest(), timeout=CALL_TIMEOUT_S)
     return {
         "stats": {field.name: value for field, value in s.ListFields()},
@@ -184,6 +189,35 @@ def read_events(stub: pb_grpc.KVManagerServiceStub, from_sequence: int, n: int) 
         stream.cancel()
 
 
+# -- workers -----------------------------------------------------------------------
+
+
+def workers(stub: pb_grpc.KVManagerServiceStub, metadata: Any = None) -> dict[str, pb.WorkerStatus]:
+    """The registered workers GetStats lists, by id."""
+    response = stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT_S, metadata=metadata)
+    return {w.worker_id: w for w in response.workers}
+
+
+def wait_for(done: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    """Poll `done` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:g}s"
+        time.sleep(0.05)
+
+
+def register_worker(stub: pb_grpc.KVManagerServiceStub, worker_id: str, metadata: Any = None) -> None:
+    """Register `worker_id` as having done every step so far (a WatchSteps stream, closed once GetStats
+    lists the worker); it then stays registered while it acknowledges (see --worker-timeout-s)."""
+    from_step_id = stub.GetStats(pb.GetStatsRequest(), timeout=CALL_TIMEOUT_S, metadata=metadata).last_step_id + 1
+    request = pb.WatchStepsRequest(worker_id=worker_id, from_step_id=from_step_id)
+    stream = stub.WatchSteps(request, timeout=STREAM_TIMEOUT_S, metadata=metadata)
+    try:
+        wait_for(lambda: worker_id in workers(stub, metadata), f"worker {worker_id} registered")
+    finally:
+        stream.cancel()
+
+
 # -- cleanup -----------------------------------------------------------------------
 
 
@@ -192,6 +226,7 @@ def release_everything(stub: pb_grpc.KVManagerServiceStub, worker_id: str) -> No
     live = list(tables(stub))
     if live:
         stub.Free(pb.FreeRequest(request_ids=live), timeout=CALL_TIMEOUT_S)
+    register_worker(stub, worker_id)
     stub.AckSteps(pb.AckStepsRequest(worker_id=worker_id, step_id=last_step_id(stub)), timeout=CALL_TIMEOUT_S)
     s = stats(stub)
     assert s.num_requests == 0 and s.num_pending_copies == 0 and s.usage == 0.0, s

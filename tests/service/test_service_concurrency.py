@@ -20,7 +20,7 @@ from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig
 from kv_manager_service.server.process import ServerOptions, start_server
 from kvcache.v1 import kv_manager_pb2 as pb
 
-from svc_support import Worker, connect, pool_config, read_steps, stats, tables
+from svc_support import Worker, connect, pool_config, read_steps, register_worker, stats, tables
 
 THREADS = 8
 ITERATIONS = 20
@@ -82,6 +82,9 @@ def client_loop(address: str, thread: int, barrier: threading.Barrier) -> Counte
 
 
 def run_threads(address: str) -> Counter:
+    channel, stub = connect(address)
+    with channel:
+        register_worker(stub, ACK_WORKER)
     barrier = threading.Barrier(THREADS)
     with ThreadPoolExecutor(THREADS) as pool:
         futures = [pool.submit(client_loop, address, t, barrier) for t in range(THREADS)]

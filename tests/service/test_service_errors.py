@@ -53,7 +53,7 @@ Code = grpc.StatusCode
 @pytest.fixture(scope="module")
 def limited_server(module_server_factory):
     return module_server_factory.start(
-        "--replica-id", "errors",
+        "--replica-id", "errors", "--worker-timeout-s", "3600",
         "--max-tokens-per-call", str(MAX_TOKENS_PER_CALL),
         "--max-ops-per-step", "8",
         "--max-message-bytes", str(MAX_MESSAGE_BYTES),

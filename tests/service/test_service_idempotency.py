@@ -73,7 +73,7 @@ class ResponseDropper(grpc.UnaryUnaryClientInterceptor):
 @pytest.fixture(scope="module")
 def keyed_server(module_server_factory):
     return module_server_factory.start(
-        "--replica-id", "idempotency", "--check-invariants", "--idempotency-retention", str(RETENTION),
+        "--replica-id", "idempotency", "--worker-timeout-s", "3600", "--check-invariants", "--idempotency-retention", str(RETENTION),
         config=pool_config(64),
     )  # fmt: skip
 

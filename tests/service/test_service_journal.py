@@ -264,3 +264,52 @@ def test_a_journal_of_another_replica_is_refused_before_its_torn_tail_is_cut(tmp
     with pytest.raises(JournalError, match="belongs to replica 'replica-a'"):
         Journal.open(path, "replica-b", "{}")
     assert path.read_bytes().endswith(bytes(100))
+
+
+def ack_record(step_id: int) -> journal_pb2.JournalRecord:
+    return journal_pb2.JournalRecord(ack=pb.AckStepsRequest(worker_id="w", step_id=step_id))
+
+
+def test_a_compaction_that_cannot_write_its_file_leaves_the_journal_as_it_was(tmp_path):
+    path = tmp_path / "j.journal"
+    journal = Journal.open(path, "r", "{}", compact_bytes=1)
+    journal.append(ack_record(1))
+    assert journal.compaction_due()
+    unfinished = tmp_path / "j.journal.compacting"
+    unfinished.mkdir()  # the new file cannot be created
+    whole = path.read_bytes()
+    assert not journal.compact(journal_pb2.JournalSnapshot())
+    assert path.read_bytes() == whole and not journal.compaction_due()  # tried again after as many bytes more
+    journal.append(ack_record(2))
+    assert journal.compaction_due()
+    unfinished.rmdir()
+    assert journal.compact(journal_pb2.JournalSnapshot(last_event_sequence=7))
+    journal.append(ack_record(3))
+    journal.close()
+
+    unfinished.write_bytes(b"a compaction killed before its rename")
+    reopened = Journal.open(path, "r", "{}")
+    assert not unfinished.exists()
+    assert [r.WhichOneof("entry") for r in reopened.records] == ["snapshot", "ack"]
+    assert reopened.records[0].snapshot.last_event_sequence == 7 and reopened.records[1].ack.step_id == 3
+
+
+def test_a_journal_in_format_2_is_read_and_a_newer_format_is_refused(tmp_path):
+    path = tmp_path / "j.journal"
+    journal = Journal.open(path, "r", "{}")
+    journal.append(ack_record(1))
+    journal.close()
+    for version, readable in ((2, True), (4, False)):
+        data = bytearray(path.read_bytes())
+        header = journal_pb2.JournalRecord(
+            header=journal_pb2.JournalHeader(format_version=version, replica_id="r", pool="{}")
+        ).SerializeToString()
+        length_and_crc = struct.pack("<II", len(header), zlib.crc32(header))
+        end = _FRAME.size + struct.unpack_from("<I", data, 0)[0]
+        data[:end] = length_and_crc + struct.pack("<I", zlib.crc32(length_and_crc)) + header
+        path.write_bytes(bytes(data))
+        if readable:
+            assert [r.ack.step_id for r in Journal.open(path, "r", "{}").records] == [1]
+        else:
+            with pytest.raises(JournalError, match="format version 4, this manager reads 2 and 3: a newer manager"):
+                Journal.open(path, "r", "{}")

@@ -86,7 +86,7 @@ class Metered:
 @pytest.fixture(scope="module")
 def metered(module_server_factory) -> Iterator[Metered]:
     """A server with its metrics endpoint on a free port; each test leaves its pool empty."""
-    process = module_server_factory.start("--replica-id", "metered", "--metrics-port", "0", config=pool_config(64))
+    process = module_server_factory.start("--replica-id", "metered", "--worker-timeout-s", "3600", "--metrics-port", "0", config=pool_config(64))
     channel, stub = connect(process.address)
     with channel:
         yield Metered(process, metrics_url(process), stub)

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import pytest
 from processes import ROOT, log_records
 from prometheus_client.parser import text_string_to_metric_families
-from svc_support import chain_hashes, pool_config, snapshot, take
+from svc_support import chain_hashes, pool_config, register_worker, snapshot, take
 
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus, FreeOp, RequestNotFoundError
@@ -75,9 +75,10 @@ def tenant_files(directory) -> list[str]:
 
 
 def tenant_metrics(server: Any) -> dict[tuple[str, str], float]:
-    """(metric sample name, tenant) -> value, scraped from the URL the server logged."""
+    """(metric sample name, tenant) -> value, scraped with the operator's token from the URL the server logged."""
     (url,) = [record["metrics_url"] for record in log_records(server) if "metrics_url" in record]
-    with urllib.request.urlopen(url, timeout=10) as response:
+    scrape = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKENS['infra']}"})
+    with urllib.request.urlopen(scrape, timeout=10) as response:
         text = response.read().decode()
     return {
         (sample.name, sample.labels["tenant"]): sample.value
@@ -103,6 +104,7 @@ class Tenants:
 def server(module_server_factory, tmp_path_factory) -> Any:
     directory = tmp_path_factory.mktemp("tenants")
     args = [*tenant_files(directory), "--tenant-quota-blocks", "40", "--metrics-port", "0", "--replica-id", "mt"]
+    args += ["--worker-timeout-s", "3600"]  # the tests take turns registering workers
     return module_server_factory.start(*args, config=pool_config(NUM_BLOCKS, BLOCK))
 
 
@@ -295,6 +297,7 @@ def test_copies_count_for_their_tenant_until_the_workers_acknowledge_them(tenant
     carol.free(["f-1", "f-2"])
     # Freed, but the copy still holds its source and destination until acknowledged.
     assert tenant_metrics(server)["kvcache_tenant_blocks", "carol"] == 2
+    register_worker(operator.stub, WORKER_ID)
     operator.ack_steps(WORKER_ID, operator.stub.GetStats(pb.GetStatsRequest(), timeout=10).last_step_id)
     assert tenant_metrics(server)["kvcache_tenant_blocks", "carol"] == 0
     pool = operator.stats()

@@ -34,6 +34,7 @@ from svc_support import (
     op_free,
     read_events,
     read_steps,
+    register_worker,
     release_everything,
     snapshot,
     stats,
@@ -68,6 +69,8 @@ def client(server):
 
 @pytest.fixture(autouse=True)
 def empty_pool_after(stub):
+    """Each test starts with WORKER registered (copies wait for its acks), and leaves the pool empty."""
+    register_worker(stub, WORKER)
     yield
     release_everything(stub, WORKER)
 

@@ -123,7 +123,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_from_its_ca(server_fa
 def guarded(module_server_factory, tmp_path_factory) -> Any:
     """A plaintext server with bearer tokens: tenant 'sched' and operator 'infra'."""
     directory = tmp_path_factory.mktemp("tokens")
-    server = module_server_factory.start("--auth-token-file", str(tokens_file(directory)), config=pool_config(32))
+    server = module_server_factory.start("--worker-timeout-s", "3600", "--auth-token-file", str(tokens_file(directory)), config=pool_config(32))
     channel = grpc.insecure_channel(server.address)
     grpc.channel_ready_future(channel).result(timeout=CALL_TIMEOUT_S)
     with channel:
@@ -201,6 +201,7 @@ def test_a_tenant_schedules_but_only_the_operator_follows_steps_and_events(guard
     last_step = before["stats"]["last_step_id"]
     for call, request in [
         (stub.AckSteps, pb.AckStepsRequest(worker_id="w", step_id=last_step)),
+        (stub.UnregisterWorker, pb.UnregisterWorkerRequest(worker_id="w")),
         (stub.ResetPrefixCache, pb.ResetPrefixCacheRequest()),
         (stub.GetBlockTables, pb.GetBlockTablesRequest()),  # every request: the operator's view
     ]:
@@ -220,6 +221,7 @@ def test_a_tenant_schedules_but_only_the_operator_follows_steps_and_events(guard
     stub.Free(pb.FreeRequest(request_ids=["t-1"]), metadata=tenant, timeout=CALL_TIMEOUT_S)
     last_step = stub.GetStats(pb.GetStatsRequest(), metadata=operator).last_step_id
     stub.AckSteps(pb.AckStepsRequest(worker_id="w", step_id=last_step), metadata=operator, timeout=CALL_TIMEOUT_S)
+    stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id="w"), metadata=operator, timeout=CALL_TIMEOUT_S)
     assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), metadata=operator, timeout=CALL_TIMEOUT_S).ok
 
 

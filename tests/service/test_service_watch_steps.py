@@ -35,7 +35,7 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def steps_server(module_server_factory):
-    return module_server_factory.start("--replica-id", "steps", config=pool_config(16, BS))
+    return module_server_factory.start("--replica-id", "steps", "--worker-timeout-s", "3600", config=pool_config(16, BS))
 
 
 @pytest.fixture(scope="module")

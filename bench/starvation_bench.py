@@ -1,0 +1,185 @@
+"""Do open streams or a long mutation starve the manager? This tree, and optionally a baseline build, in one run.
+
+For each build, `kv-manager serve` (default flags, 32 threads) is measured in
+three ways:
+
+1. idle streams: GetStats and gRPC health checks (2 s deadline each) with no
+   stream open, then with `--streams` idle WatchSteps/WatchEvents streams
+   open (half each, over 4 channels): p50, p99 and calls that timed out;
+2. a long mutation: the longest GetStats round trip while one 65,536-op
+   Step runs (the Step's own duration beside it);
+3. unread streams: 256-request decode Steps per second for `--seconds`,
+   with no stream, then with 8 WatchSteps + 8 WatchEvents streams that are
+   never read.
+
+    python bench/starvation_bench.py [--baseline /tmp/base]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import grpc
+from build_ab_bench import start
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rpc_bench import Workload, admit_rpc, make_client
+
+from kvcache.v1 import kv_manager_pb2 as pb
+from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 2.0
+BIG_STEP_OPS = 1 << 16
+
+
+def open_streams(address: str, count: int) -> tuple[list[grpc.Channel], list]:
+    """`count` streams, half WatchSteps (each its own worker id) and half WatchEvents; none is read."""
+    channels = [grpc.insecure_channel(address) for _ in range(4)]
+    streams = []
+    for index in range(count):
+        stub = pb_grpc.KVManagerServiceStub(channels[index % len(channels)])
+        if index % 2:
+            streams.append(stub.WatchEvents(pb.WatchEventsRequest()))
+        else:
+            streams.append(stub.WatchSteps(pb.WatchStepsRequest(worker_id=f"idle-{index}")))
+    return channels, streams
+
+
+def close_streams(channels: list[grpc.Channel], streams: list) -> None:
+    for stream in streams:
+        stream.cancel()
+    for channel in channels:
+        channel.close()
+
+
+def latencies(call: Callable[[], object], n: int) -> tuple[list[float], int]:
+    """Round trips in ms of `n` calls, and how many timed out."""
+    samples, timeouts = [], 0
+    for _ in range(n):
+        started = time.perf_counter()
+        try:
+            call()
+        except grpc.RpcError as error:
+            if error.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            timeouts += 1
+            continue
+        samples.append((time.perf_counter() - started) * 1e3)
+    return samples, timeouts
+
+
+def summary(samples: list[float], timeouts: int) -> str:
+    if not samples:
+        return f"all {timeouts} timed out"
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    text = f"p50 {statistics.median(ordered):.2f} ms, p99 {p99:.2f} ms"
+    return text + (f", {timeouts} timed out" if timeouts else "")
+
+
+def idle_streams(address: str, num_streams: int, calls: int) -> list[str]:
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVManagerServiceStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    rows = []
+    for count in (0, num_streams):
+        channels, streams = open_streams(address, count)
+        time.sleep(1.0)  # let the server take every stream
+        for name, call in (
+            ("GetStats", lambda: stub.GetStats(pb.GetStatsRequest(), timeout=DEADLINE_S)),
+            ("health Check", lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S)),
+        ):
+            rows.append(f"{name} with {count} idle streams: {summary(*latencies(call, calls))}")
+        close_streams(channels, streams)
+    channel.close()
+    return rows
+
+
+def long_mutation(address: str) -> str:
+    channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    stub = pb_grpc.KVManagerServiceStub(channel)
+    big = pb.StepRequest()
+    for index in range(BIG_STEP_OPS):
+        big.ops.add().allocate.CopyFrom(pb.AllocateRequest(request_id=f"big-{index}", token_ids=[index], num_new_tokens=1))
+    done = threading.Event()
+    took: list[float] = []
+
+    def run() -> None:
+        started = time.perf_counter()
+        try:
+            stub.Step(big, timeout=300)
+            took.append(time.perf_counter() - started)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    longest = 0.0
+    while not done.is_set():
+        started = time.perf_counter()
+        stub.GetStats(pb.GetStatsRequest(), timeout=300)
+        longest = max(longest, time.perf_counter() - started)
+    thread.join()
+    if not took:
+        raise RuntimeError("the long Step failed (see above)")
+    freed = pb.StepRequest()
+    freed.ops.add().free.request_ids.extend(f"big-{index}" for index in range(BIG_STEP_OPS))
+    stub.Step(freed, timeout=300)
+    channel.close()
+    return f"longest GetStats during a {BIG_STEP_OPS}-op Step: {longest * 1e3:.0f} ms (the Step took {took[0] * 1e3:.0f} ms)"
+
+
+def unread_streams(address: str, seconds: float) -> tuple[list[str], float]:
+    client = make_client(address)
+    work = Workload("starve", 256, random.Random(0))
+    admit_rpc(client, work)
+    rates = []
+    for count in (0, 16):
+        channels, streams = open_streams(address, count)
+        steps, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            client.stub.Step(work.decode_requests[steps % len(work.decode_requests)], timeout=30)
+            steps += 1
+        rates.append(steps / (time.perf_counter() - started))
+        close_streams(channels, streams)
+    client.close()
+    return [f"256-request decode Steps/s with {count} unread streams: {rate:.0f}" for count, rate in zip((0, 16), rates)], rates[1] / rates[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, help="also measure this checkout (see build_ab_bench.py)")
+    parser.add_argument("--streams", type=int, default=300, help="idle streams of part 1 (default %(default)s)")
+    parser.add_argument("--calls", type=int, default=100, help="calls of each kind in part 1 (default %(default)s)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each part-3 series (default %(default)s)")
+    args = parser.parse_args(argv)
+    builds = {"this tree": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    print(f"command: python bench/{Path(__file__).name} {shlex.join(argv if argv is not None else sys.argv[1:])}")
+    with tempfile.TemporaryDirectory() as directory:
+        for index, (name, tree) in enumerate(builds.items()):
+            server = start(tree, BIG_STEP_OPS + 300_000, Path(directory) / f"{index}.log")
+            try:
+                print(f"\n## {name}")
+                for line in idle_streams(server.address, args.streams, args.calls):
+                    print(f"- {line}")
+                print(f"- {long_mutation(server.address)}")
+                rows, ratio = unread_streams(server.address, args.seconds)
+                for line in rows:
+                    print(f"- {line}")
+                print(f"- with unread streams / without: {ratio:.2f}")
+            finally:
+                server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

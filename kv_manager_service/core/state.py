@@ -1,0 +1,158 @@
+"""The core's whole state as plain data, and a core rebuilt from it (snapshots).
+
+`export_state` and `restore_state` are exact inverses: a core restored from
+another's state gives the same results, block ids, free-queue order, cache
+hits, pending copies and step ids on every later op. What a core holds that
+is not here is derived from its config (hasher, group managers) or from the
+data here (reference counts, copy retentions, the free queue's links).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
+from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
+from kv_manager_service.core.invariants import check_invariants
+from kv_manager_service.core.request import RequestState
+
+if TYPE_CHECKING:
+    from kv_manager_service.core.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """One live request; tables list block ids per group, 0 for the null block."""
+
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    num_encoder_tokens: int
+    extras: HashExtras
+    block_hashes: tuple[BlockHash, ...]
+    tail_token_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    num_cached_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CoreState:
+    """A core's state between steps.
+
+    `free_block_ids`: the free queue, head (reused first) to tail.
+    `cached`: (group id, block hash, block id) in the order of the group's
+    hash map, the blocks of one hash in the order a hit picks them.
+    `requests`: oldest first. `pending_copies`: (step id, src, dst) in step order.
+    """
+
+    last_step_id: int
+    free_block_ids: tuple[int, ...]
+    cached: tuple[tuple[int, BlockHash, int], ...]
+    requests: tuple[RequestSnapshot, ...]
+    pending_copies: tuple[tuple[int, int, int], ...]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+
+
+def export_state(manager: KVCacheManager) -> CoreState:
+    """The manager's state; changes nothing. Its queued events must be drained first: they are the caller's."""
+    pool = manager.pool
+    assert not pool.events, "drain the core's events (take_events) before exporting its state"
+    cached = []
+    for group_id, entries in enumerate(pool.cached):
+        for block_hash, entry in entries.items():
+            if type(entry) is KVCacheBlock:
+                cached.append((group_id, block_hash, entry.block_id))
+            else:
+                cached += [(group_id, block_hash, block_id) for block_id in entry]
+    requests = tuple(
+        RequestSnapshot(
+            r.request_id,
+            r.num_tokens,
+            r.num_computed_tokens,
+            r.num_encoder_tokens,
+            r.extras,
+            tuple(r.block_hashes),
+            tuple(r.tail_token_ids),
+            tuple(tuple([b.block_id for b in table]) for table in r.tables),
+            tuple(r.num_cached_blocks),
+        )
+        for r in manager.requests.values()
+    )
+    return CoreState(
+        manager.last_step_id,
+        tuple([b.block_id for b in pool.free_queue]),
+        tuple(cached),
+        requests,
+        tuple((step_id, src.block_id, dst.block_id) for step_id, src, dst in manager._pending_copies),
+        manager.prefix_cache_queries,
+        manager.prefix_cache_hits,
+        pool.num_evictions,
+    )
+
+
+def restore_state(manager: KVCacheManager, state: CoreState) -> None:
+    """Make the fresh `manager` (no step taken) hold `state`, then check the core's invariants.
+
+    Reference counts and copy retentions are recomputed from the tables and
+    copies, so a state whose parts disagree (a free block that a table holds,
+    a block id outside the pool) raises ValueError and is never served.
+    """
+    if manager.last_step_id or manager.requests:
+        raise ValueError("a state is restored into a fresh core")
+    pool = manager.pool
+    blocks = pool.blocks
+
+    def block(block_id: int) -> KVCacheBlock:
+        if not 0 <= block_id < pool.num_blocks:
+            raise ValueError(f"block id {block_id} is outside the pool of {pool.num_blocks} blocks")
+        return blocks[block_id]
+
+    for b in blocks:
+        b.prev_free = b.next_free = None
+    pool.free_queue = FreeBlockQueue([block(block_id) for block_id in state.free_block_ids])
+    for group_id, block_hash, block_id in state.cached:
+        b = block(block_id)
+        b.block_hash, b.group_id = block_hash, group_id
+        entries = pool.cached[group_id]
+        entry = entries.get(block_hash)
+        if entry is None:
+            entries[block_hash] = b
+        elif type(entry) is KVCacheBlock:
+            entries[block_hash] = {entry.block_id: entry, block_id: b}
+        else:
+            entry[block_id] = b
+    for r in state.requests:
+        tables = [[block(block_id) for block_id in ids] for ids in r.block_ids]
+        for table in tables:
+            for b in table:
+                if not b.is_null:
+                    b.ref_cnt += 1
+        manager.requests[r.request_id] = RequestState(
+            r.request_id,
+            r.num_tokens,
+            r.num_computed_tokens,
+            r.num_encoder_tokens,
+            r.extras if not r.extras.is_empty() else NO_EXTRAS,
+            list(r.block_hashes),
+            list(r.tail_token_ids),
+            tables,
+            list(r.num_cached_blocks),
+        )
+    retained = manager._retained
+    for step_id, src_id, dst_id in state.pending_copies:
+        src, dst = block(src_id), block(dst_id)
+        for b in (src, dst):
+            b.ref_cnt += 1
+            retained[b] = retained.get(b, 0) + 1
+        manager._pending_copies.append((step_id, src, dst))
+    manager.last_step_id = state.last_step_id
+    manager.prefix_cache_queries = state.prefix_cache_queries
+    manager.prefix_cache_hits = state.prefix_cache_hits
+    pool.num_evictions = state.num_evictions
+    try:
+        check_invariants(manager)
+    except AssertionError as error:
+        raise ValueError(f"the state is inconsistent: {error}") from None

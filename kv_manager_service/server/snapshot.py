@@ -1,0 +1,145 @@
+"""A replica's whole state as a journal snapshot, and a fresh replica restored from one.
+
+The snapshot holds what the journal's records would rebuild: the core
+(`core.state`), the registered workers and their acknowledgements, the
+memory of keyed Steps, the tenants' accounting and the event sequence. The
+step and event logs are not kept: a restored replica's logs start empty,
+numbered on from the snapshot's last step and event, so a worker behind
+them resyncs with GetBlockTables and a watcher of events with the mirror's
+snapshot, as after any truncation. Worker leases start at the restore, as
+after a replay.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kv_manager_service.core import LoraRef, MMFeature
+from kv_manager_service.core.hashing import BlockHash, HashExtras
+from kv_manager_service.core.state import CoreState, RequestSnapshot, restore_state
+from kv_manager_service.server.tenancy import TenantUsage
+from kvcache.v1 import journal_pb2 as jpb
+from kvcache.v1 import kv_manager_pb2 as pb
+
+if TYPE_CHECKING:
+    from kv_manager_service.server.replica import Replica
+
+
+def take_snapshot(replica: Replica) -> jpb.JournalSnapshot:
+    """The replica's state between two mutations; the caller holds its lock. Changes nothing."""
+    snapshot = jpb.JournalSnapshot(core=core_to_proto(replica.manager.export_state()))
+    snapshot.last_event_sequence = replica.events.last_id
+    for worker_id, acked_step_id in replica.workers.acked_step_ids().items():
+        snapshot.workers.add(worker_id=worker_id, acked_step_id=acked_step_id)
+    for key, fingerprint, response in replica.step_keys.items():
+        snapshot.step_keys.add(idempotency_key=key, request_sha256=fingerprint, response=response)
+    if replica.tenancy is not None:
+        for tenant, u in replica.tenancy.usage.items():
+            snapshot.tenants.add(
+                tenant=tenant,
+                num_blocks=u.num_blocks,
+                num_requests=u.num_requests,
+                prefix_cache_queries=u.prefix_cache_queries,
+                prefix_cache_hits=u.prefix_cache_hits,
+                num_quota_refusals=u.num_quota_refusals,
+            )
+        for step_id, tenant in replica.tenancy.copy_owners().items():
+            snapshot.copy_owners.add(step_id=step_id, tenant=tenant)
+    return snapshot
+
+
+def restore_snapshot(replica: Replica, snapshot: jpb.JournalSnapshot) -> None:
+    """Make the fresh `replica` (nothing replayed yet) hold `snapshot`'s state.
+
+    ValueError when the snapshot's parts disagree (see `core.state.restore_state`).
+    """
+    if replica.manager.last_step_id or len(replica.workers) or len(replica.step_keys) or replica.events.last_id:
+        raise ValueError("a journal's snapshot must come right after its header")
+    state = core_from_proto(snapshot.core)
+    restore_state(replica.manager, state)
+    replica.steps.start_after(state.last_step_id)
+    replica.events.start_after(snapshot.last_event_sequence)
+    now = time.monotonic()
+    for worker in snapshot.workers:
+        replica.workers.register(worker.worker_id, worker.acked_step_id, now)
+    for entry in snapshot.step_keys:
+        replica.step_keys.put(entry.idempotency_key, entry.request_sha256, entry.response)
+    if replica.tenancy is not None:
+        usage = {
+            t.tenant: TenantUsage(
+                None, t.num_blocks, t.num_requests, t.prefix_cache_queries, t.prefix_cache_hits, t.num_quota_refusals
+            )
+            for t in snapshot.tenants
+        }
+        replica.tenancy.restore(usage, {owner.step_id: owner.tenant for owner in snapshot.copy_owners})
+
+
+def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
+    cached_group_ids, cached_block_hashes, cached_block_ids = zip(*state.cached) if state.cached else ((), (), ())
+    return jpb.CoreSnapshot(
+        last_step_id=state.last_step_id,
+        free_block_ids=state.free_block_ids,
+        cached_group_ids=cached_group_ids,
+        cached_block_hashes=cached_block_hashes,
+        cached_block_ids=cached_block_ids,
+        requests=[_request_to_proto(r) for r in state.requests],
+        pending_copies=[
+            pb.PendingCopy(step_id=step_id, copy=pb.BlockCopy(src_block_id=src, dst_block_id=dst))
+            for step_id, src, dst in state.pending_copies
+        ],
+        prefix_cache_queries=state.prefix_cache_queries,
+        prefix_cache_hits=state.prefix_cache_hits,
+        num_evictions=state.num_evictions,
+    )
+
+
+def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
+    if not len(message.cached_group_ids) == len(message.cached_block_hashes) == len(message.cached_block_ids):
+        raise ValueError("the snapshot's cached blocks have lists of different lengths")
+    return CoreState(
+        message.last_step_id,
+        tuple(message.free_block_ids),
+        tuple(zip(message.cached_group_ids, map(BlockHash, message.cached_block_hashes), message.cached_block_ids)),
+        tuple(_request_from_proto(r) for r in message.requests),
+        tuple((p.step_id, p.copy.src_block_id, p.copy.dst_block_id) for p in message.pending_copies),
+        message.prefix_cache_queries,
+        message.prefix_cache_hits,
+        message.num_evictions,
+    )
+
+
+def _request_to_proto(r: RequestSnapshot) -> jpb.RequestSnapshot:
+    extras = r.extras
+    return jpb.RequestSnapshot(
+        request_id=r.request_id,
+        num_tokens=r.num_tokens,
+        num_computed_tokens=r.num_computed_tokens,
+        num_encoder_tokens=r.num_encoder_tokens,
+        cache_salt=extras.cache_salt or "",
+        lora_name=extras.lora.name if extras.lora is not None else "",
+        lora_path=extras.lora.path if extras.lora is not None else "",
+        mm_features=[
+            pb.MMFeature(identifier=f.identifier, offset=f.offset, length=f.length) for f in extras.mm_features
+        ],
+        block_hashes=r.block_hashes,
+        tail_token_ids=r.tail_token_ids,
+        tables=[jpb.BlockIds(block_ids=ids) for ids in r.block_ids],
+        num_cached_blocks=r.num_cached_blocks,
+    )
+
+
+def _request_from_proto(m: jpb.RequestSnapshot) -> RequestSnapshot:
+    lora = LoraRef(m.lora_name, m.lora_path) if m.lora_name else None
+    features = tuple(MMFeature(f.identifier, f.offset, f.length) for f in m.mm_features)
+    return RequestSnapshot(
+        m.request_id,
+        m.num_tokens,
+        m.num_computed_tokens,
+        m.num_encoder_tokens,
+        HashExtras(lora, m.cache_salt or None, features),
+        tuple(map(BlockHash, m.block_hashes)),
+        tuple(m.tail_token_ids),
+        tuple(tuple(t.block_ids) for t in m.tables),
+        tuple(m.num_cached_blocks),
+    )

@@ -1,0 +1,129 @@
+"""The registered workers: what each has acknowledged, and its lease.
+
+A worker registers by opening a WatchSteps stream, and stays registered
+while it streams or acknowledges: a worker with an open stream is never
+expired; one without for `timeout_s` since it was last heard from (a stream
+opened or closed, an acknowledgement, a registration restored from the
+journal) is expired. Copies are held until every registered worker has
+acknowledged their step, so the registry's `min_acked_step_id` is what the
+replica may release.
+
+Pure logic: no lock, no clock. The caller (the replica) holds its lock to
+change it and passes monotonic time in seconds; `statuses` may be read
+without the lock (it copies the table first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_manager_service.rpc.errors import FailedPreconditionError
+
+
+@dataclass
+class _Worker:
+    acked_step_id: int
+    last_heard_s: float  # monotonic
+    num_streams: int = 0  # open WatchSteps streams
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One registered worker as GetStats and the metrics show it."""
+
+    worker_id: str
+    acked_step_id: int
+    num_streams: int
+    idle_s: float  # since last heard from; 0 while it streams
+
+
+class WorkerRegistry:
+    """Registered workers by id (see the module docstring). Invariant: `num_streams >= 0`."""
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"worker timeout must be > 0 s, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._workers: dict[str, _Worker] = {}
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def register(self, worker_id: str, acked_step_id: int, now_s: float) -> bool:
+        """Register `worker_id` as having done every step up to `acked_step_id`.
+
+        Returns True when it is new; registering again changes nothing but its lease.
+        """
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.last_heard_s = now_s
+            return False
+        self._workers[worker_id] = _Worker(acked_step_id, now_s)
+        return True
+
+    def open_stream(self, worker_id: str, now_s: float) -> None:
+        """A stream of a registered worker opened: it cannot expire until every stream it has closes."""
+        worker = self._get(worker_id)
+        worker.num_streams += 1
+        worker.last_heard_s = now_s
+
+    def close_stream(self, worker_id: str, now_s: float) -> None:
+        """A stream closed; its lease runs from now. A worker dropped meanwhile is ignored."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        assert worker.num_streams > 0, worker_id
+        worker.num_streams -= 1
+        worker.last_heard_s = now_s
+
+    def ack(self, worker_id: str, step_id: int, now_s: float) -> None:
+        """`worker_id` did every step up to `step_id` (an older step changes nothing but its lease).
+
+        FailedPreconditionError naming worker_id when it is not registered.
+        """
+        worker = self._get(worker_id)
+        worker.acked_step_id = max(worker.acked_step_id, step_id)
+        worker.last_heard_s = now_s
+
+    def remove(self, worker_id: str) -> None:
+        """Drop `worker_id`; FailedPreconditionError naming worker_id when it is not registered."""
+        self._get(worker_id)
+        del self._workers[worker_id]
+
+    def expired(self, now_s: float) -> list[str]:
+        """The workers without an open stream not heard from for `timeout_s` (not removed here)."""
+        deadline = now_s - self.timeout_s
+        return [w_id for w_id, w in self._workers.items() if w.num_streams == 0 and w.last_heard_s <= deadline]
+
+    def renew_all(self, now_s: float) -> None:
+        """Every worker's lease runs from now (after a restart: its workers had no chance to call)."""
+        for worker in self._workers.values():
+            worker.last_heard_s = now_s
+
+    def min_acked_step_id(self) -> int | None:
+        """The last step every registered worker has done; None when no worker is registered."""
+        return min((w.acked_step_id for w in self._workers.values()), default=None)
+
+    def acked_step_ids(self) -> dict[str, int]:
+        """Each registered worker's acknowledged step."""
+        return {worker_id: w.acked_step_id for worker_id, w in self._workers.items()}
+
+    def statuses(self, now_s: float) -> list[WorkerStatus]:
+        """Every registered worker, by id."""
+        return [
+            WorkerStatus(
+                worker_id, w.acked_step_id, w.num_streams, 0.0 if w.num_streams else max(0.0, now_s - w.last_heard_s)
+            )
+            for worker_id, w in sorted(list(self._workers.items()))  # list(): one step, under the GIL
+        ]
+
+    def _get(self, worker_id: str) -> _Worker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise FailedPreconditionError(
+                f"worker_id {worker_id[:128]!r} is not registered: register with WatchSteps first", "worker_id"
+            )
+        return worker
