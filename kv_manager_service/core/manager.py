@@ -417,6 +417,23 @@ class KVCacheManager:
             if len(tail) >= self.hash_block_size:
                 self._hash_tail(request)
 
+        num_committed = num_computed + num_scheduled
+        num_cached_blocks = request.num_cached_blocks
+        if not shared and not num_needed:
+            # The common decode step: every slot it writes is in the table already and held by it
+            # alone, so no table changes; the same result as the general path below, sooner.
+            groups = []
+            for manager in self.managers:
+                group_id = manager.group_id
+                table = tables[group_id]
+                groups.append(GroupAllocation(group_id, (), (), len(table)))
+                if num_cached_blocks[group_id] < num_committed // manager.block_size:
+                    num_cached_blocks[group_id] = manager.cache_blocks(
+                        table, request.block_hashes, num_cached_blocks[group_id], num_committed
+                    )
+            request.num_computed_tokens = num_committed
+            return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), (), step_id)
+
         copies = []
         first_changed = [len(table) for table in tables]
         for group_id, index in shared:
@@ -439,8 +456,6 @@ class KVCacheManager:
                 first_changed[group_id] = index
 
         groups = []
-        num_committed = num_computed + num_scheduled
-        num_cached_blocks = request.num_cached_blocks
         for manager in self.managers:
             group_id = manager.group_id
             table = tables[group_id]
