@@ -8,7 +8,9 @@ decode Steps (the request `rpc_bench.py` times as "256-op Step"), switching
 the order every round. It reports each build's median p50 and p99 over
 rounds, the server process's CPU time per Step (less sensitive than wall time
 to other load on the machine), and the medians of the per-round ratios
-(this tree / baseline).
+(this tree / baseline). Each round also runs a throughput series, as
+`rpc_bench.py`'s: `--throughput-clients` clients, each on its own connection
+with its own 256 requests, send back-to-back decode Steps at once.
 
 The baseline is any checkout with its generated protos and C encoder built:
 
@@ -32,7 +34,7 @@ from typing import Sequence
 
 from bench_stats import Series, fmt
 from process_cpu import cpu_s
-from rpc_bench import BLOCK_SIZE, PROMPT_LEN, Workload, admit_rpc, check_decode, make_client, timed_calls
+from rpc_bench import BLOCK_SIZE, PROMPT_LEN, Workload, admit_rpc, check_decode, make_client, throughput, timed_calls
 
 from kv_manager_service.rpc.launch import LaunchedProcess, launch
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
@@ -62,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="alternating rounds (default 9)")
     parser.add_argument("--steps", type=int, default=200, help="timed Steps per build and round (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed Steps before each series (default 20)")
+    parser.add_argument(
+        "--throughput-clients", type=int, default=4,
+        help="concurrent clients of the throughput series, each with its own 256 requests (default 4; 0: none)",
+    )  # fmt: skip
+    parser.add_argument("--throughput-steps", type=int, default=50, help="Steps per client and series (default 50)")
     args = parser.parse_args(argv)
     if not (args.baseline / "kv_manager_service").is_dir() or not (args.baseline / "kvcache").is_dir():
         parser.error(f"--baseline {args.baseline}: needs kv_manager_service/ and its generated kvcache/ (see --help)")
@@ -69,20 +76,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
 
-    tokens_per_request = PROMPT_LEN + args.rounds * (args.warmup + args.steps) + BLOCK_SIZE
-    num_blocks = NUM_REQUESTS * (-(-tokens_per_request // BLOCK_SIZE) + 1) + 1024
+    tokens_per_request = PROMPT_LEN + args.rounds * (args.warmup + args.steps + args.throughput_steps) + BLOCK_SIZE
+    num_blocks = (1 + args.throughput_clients) * NUM_REQUESTS * (-(-tokens_per_request // BLOCK_SIZE) + 1) + 1024
     builds = {"baseline": args.baseline.resolve(), "this tree": ROOT}
     series = {name: Series() for name in builds}
     ratios: list[float] = []
     cpu_ms = {name: [] for name in builds}  # server CPU ms per Step, per round
     cpu_ratios: list[float] = []
     work = Workload("ab", NUM_REQUESTS, random.Random(0))
+    # The throughput series: one client and one set of requests per thread (as rpc_bench.py's).
+    works = [Workload(f"tp{i}", NUM_REQUESTS, random.Random(1 + i)) for i in range(args.throughput_clients)]
+    rates = {name: [] for name in builds}  # request-steps/s, per round
+    rate_ratios: list[float] = []
     with tempfile.TemporaryDirectory() as directory:
         servers = {name: start(tree, num_blocks, Path(directory) / f"{i}.log") for i, (name, tree) in enumerate(builds.items())}
         try:
             clients = {name: make_client(server.address) for name, server in servers.items()}
             for client in clients.values():
                 admit_rpc(client, work)
+            pools = {name: [make_client(server.address, own_connection=True) for _ in works] for name, server in servers.items()}
+            for name, pool in pools.items():
+                for client, each in zip(pool, works):
+                    admit_rpc(client, each)
             for round_index in range(args.rounds):
                 order = list(builds) if round_index % 2 == 0 else list(reversed(builds))
                 p50 = {}
@@ -99,10 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     series[name].add_samples(samples)
                     p50[name] = statistics.median(samples)
                 ratios.append(p50["this tree"] / p50["baseline"])
+                if works:
+                    for name in order:
+                        rates[name].append(throughput(pools[name], works, args.throughput_steps)[0])
+                    rate_ratios.append(rates["this tree"][-1] / rates["baseline"][-1])
                 cpu_ratios.append(cpu_ms["this tree"][-1] / cpu_ms["baseline"][-1])
                 print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
                     f"{name} {p50[name] / 1e6:.2f} ms" for name in builds), file=sys.stderr, flush=True)  # fmt: skip
-            for client in clients.values():
+            for client in [*clients.values(), *(c for pool in pools.values() for c in pool)]:
                 client.close()
         finally:
             for server in servers.values():
@@ -120,7 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{fmt(min(s.p50))}-{fmt(max(s.p50))} | {fmt(statistics.median(s.p99))} | "
               f"{fmt(statistics.median(cpu_ms[name]))} |")  # fmt: skip
     print()
-    for label, values in (("p50 round trip", ratios), ("server CPU per Step", cpu_ratios)):
+    if rate_ratios:
+        print()
+        print(f"throughput: {len(works)} concurrent clients, {args.throughput_steps} back-to-back 256-request decode "
+              "Steps each per round and build (request-steps/s, median over rounds): "
+              + ", ".join(f"{name} {statistics.median(rates[name]):,.0f}" for name in builds))  # fmt: skip
+    for label, values in (("p50 round trip", ratios), ("server CPU per Step", cpu_ratios), ("throughput", rate_ratios)):
+        if not values:
+            continue
         print(f"ratio this tree / baseline, {label}, median of per-round ratios: {statistics.median(values):.3f} "
               f"(rounds: {min(values):.3f}-{max(values):.3f})")  # fmt: skip
     print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
