@@ -43,11 +43,11 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM_REQUESTS = 256
 
 
-def start(tree: Path, num_blocks: int, log_path: Path) -> LaunchedProcess:
+def start(tree: Path, num_blocks: int, log_path: Path, extra_args: Sequence[str] = ()) -> LaunchedProcess:
     """`kv-manager serve` from `tree`'s sources (its own package first on the path)."""
     argv = [
         sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--num-blocks", str(num_blocks),
-        "--replica-id", f"ab-{tree.name}", "--log-level", "WARNING",
+        "--replica-id", f"ab-{tree.name}", "--log-level", "WARNING", *extra_args,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(tree))
     return launch(argv, MANAGER_READY_PREFIX, log_path, cwd=tree, env=env)

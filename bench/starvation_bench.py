@@ -10,7 +10,11 @@ three ways:
    Step runs (the Step's own duration beside it);
 3. unread streams: 256-request decode Steps per second for `--seconds`,
    with no stream, then with 8 WatchSteps + 8 WatchEvents streams that are
-   never read.
+   never read;
+4. a stopped Redis: the same Steps per second while `--lookup-clients`
+   threads each send a cluster lookup (FindCacheHit with cluster=true) every
+   20 ms, with the mirror's Redis running, then frozen (SIGSTOP), as a hung
+   Redis would be.
 
     python bench/starvation_bench.py [--baseline /tmp/base]
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -33,6 +38,7 @@ from build_ab_bench import start
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rpc_bench import Workload, admit_rpc, make_client
 
+from kv_manager_service.rpc.launch import free_port, launch_redis
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -155,12 +161,63 @@ def unread_streams(address: str, seconds: float) -> tuple[list[str], float]:
     return [f"256-request decode Steps/s with {count} unread streams: {rate:.0f}" for count, rate in zip((0, 16), rates)], rates[1] / rates[0]
 
 
+def steps_per_s(client, work: Workload, seconds: float) -> float:
+    steps, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        client.stub.Step(work.decode_requests[steps % len(work.decode_requests)], timeout=60)
+        steps += 1
+    return steps / (time.perf_counter() - started)
+
+
+def stopped_redis(tree: Path, directory: Path, seconds: float, num_lookup_clients: int) -> list[str]:
+    port = free_port()
+    redis_server = launch_redis(port, directory / f"redis-{tree.name}.log")
+    server = start(tree, 300_000, directory / f"mirror-{tree.name}.log", ["--redis-url", f"redis://127.0.0.1:{port}/0"])
+    rows = []
+    try:
+        client = make_client(server.address)
+        work = Workload("redis", 256, random.Random(0))
+        admit_rpc(client, work)
+        lookup = pb.FindCacheHitRequest(token_ids=work.prompts[0], cluster=True)
+        lookups = make_client(server.address, own_connection=True)
+        stop = threading.Event()
+        num_lookups = [0]
+
+        def look() -> None:
+            while not stop.wait(0.02):
+                lookups.stub.FindCacheHit(lookup, timeout=60)
+                num_lookups[0] += 1
+
+        threads = [threading.Thread(target=look) for _ in range(num_lookup_clients)]
+        for thread in threads:
+            thread.start()
+        try:
+            for state in ("running", "frozen (SIGSTOP)"):
+                if state != "running":
+                    redis_server.process.send_signal(signal.SIGSTOP)
+                before = num_lookups[0]
+                rate = steps_per_s(client, work, seconds)
+                rows.append(f"Redis {state}: {rate:.0f} decode Steps/s, {(num_lookups[0] - before) / seconds:.0f} cluster lookups/s beside them")
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+            stop.set()
+            for thread in threads:
+                thread.join()
+        client.close()
+        lookups.close()
+    finally:
+        server.stop()
+        redis_server.stop()
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="also measure this checkout (see build_ab_bench.py)")
     parser.add_argument("--streams", type=int, default=300, help="idle streams of part 1 (default %(default)s)")
     parser.add_argument("--calls", type=int, default=100, help="calls of each kind in part 1 (default %(default)s)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each part-3 series (default %(default)s)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each series of parts 3 and 4 (default %(default)s)")
+    parser.add_argument("--lookup-clients", type=int, default=32, help="cluster lookup threads of part 4 (default %(default)s)")
     args = parser.parse_args(argv)
     builds = {"this tree": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     print(f"command: python bench/{Path(__file__).name} {shlex.join(argv if argv is not None else sys.argv[1:])}")
@@ -178,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"- with unread streams / without: {ratio:.2f}")
             finally:
                 server.stop()
+            for line in stopped_redis(tree, Path(directory), args.seconds, args.lookup_clients):
+                print(f"- {line}")
     return 0
 
 
