@@ -14,6 +14,7 @@ naming the field, before any handler sees it.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from typing import Any, AsyncIterator, Callable, NamedTuple
@@ -25,6 +26,10 @@ from kv_manager_service.rpc.errors import InvalidArgumentError, KVCacheError
 from kv_manager_service.rpc.status import end_call
 
 log = logging.getLogger("kv_manager_service.server.servicer")
+
+
+# A coroutine handler's request larger than this is checked in a thread, off the event loop.
+CHECK_ON_LOOP_MAX_BYTES = 64 << 10
 
 
 class Unparsed(NamedTuple):
@@ -101,7 +106,11 @@ def _refusing_unparsed(behavior: Callable, name: str) -> Callable:
     if inspect.iscoroutinefunction(behavior):
 
         async def refusing_async(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            error = _refusal(request, name)
+            if type(request) is not Unparsed and request.ByteSize() > CHECK_ON_LOOP_MAX_BYTES:
+                # Walking a large request takes long (0.5 s for 65,536 ops): not on the event loop.
+                error = await asyncio.to_thread(_refusal, request, name)
+            else:
+                error = _refusal(request, name)
             if error is not None:
                 end_call(context, error)
                 return None
