@@ -10,7 +10,8 @@ three ways:
    Step runs (the Step's own duration beside it);
 3. unread streams: 256-request decode Steps per second for `--seconds`,
    with no stream, then with 8 WatchSteps + 8 WatchEvents streams that are
-   never read;
+   never read, then the same with WatchEventBatches instead of WatchEvents
+   (skipped on a build without it);
 4. a stopped Redis: the same Steps per second while `--lookup-clients`
    threads each send a cluster lookup (FindCacheHit with cluster=true) every
    20 ms, with the mirror's Redis running, then frozen (SIGSTOP), as a hung
@@ -22,20 +23,23 @@ three ways:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 from build_ab_bench import start
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from process_cpu import cpu_s
 from rpc_bench import Workload, admit_rpc, make_client
 
 from kv_manager_service.rpc.launch import free_port, launch_redis
@@ -47,16 +51,21 @@ DEADLINE_S = 2.0
 BIG_STEP_OPS = 1 << 16
 
 
-def open_streams(address: str, count: int) -> tuple[list[grpc.Channel], list]:
-    """`count` streams, half WatchSteps (each its own worker id) and half WatchEvents; none is read."""
+def open_streams(address: str, count: int, batches: bool = False) -> tuple[list[grpc.Channel], list]:
+    """`count` streams from what comes next, half WatchSteps (each its own worker id) and half
+    WatchEvents (or, with `batches`, WatchEventBatches); none is read."""
     channels = [grpc.insecure_channel(address) for _ in range(4)]
+    now = pb_grpc.KVManagerServiceStub(channels[0]).GetStats(pb.GetStatsRequest(), timeout=30)
+    next_step, next_event = now.last_step_id + 1, now.last_event_sequence + 1
     streams = []
     for index in range(count):
         stub = pb_grpc.KVManagerServiceStub(channels[index % len(channels)])
-        if index % 2:
-            streams.append(stub.WatchEvents(pb.WatchEventsRequest()))
+        if index % 2 and batches:
+            streams.append(stub.WatchEventBatches(pb.WatchEventBatchesRequest(from_sequence=next_event)))
+        elif index % 2:
+            streams.append(stub.WatchEvents(pb.WatchEventsRequest(from_sequence=next_event)))
         else:
-            streams.append(stub.WatchSteps(pb.WatchStepsRequest(worker_id=f"idle-{index}")))
+            streams.append(stub.WatchSteps(pb.WatchStepsRequest(worker_id=f"idle-{index}", from_step_id=next_step)))
     return channels, streams
 
 
@@ -144,29 +153,73 @@ def long_mutation(address: str) -> str:
     return f"longest GetStats during a {BIG_STEP_OPS}-op Step: {longest * 1e3:.0f} ms (the Step took {took[0] * 1e3:.0f} ms)"
 
 
-def unread_streams(address: str, seconds: float) -> tuple[list[str], float]:
+def serves_event_batches(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            next(pb_grpc.KVManagerServiceStub(channel).WatchEventBatches(pb.WatchEventBatchesRequest(), timeout=5))
+        except grpc.RpcError as error:
+            return error.code() is not grpc.StatusCode.UNIMPLEMENTED
+    return True
+
+
+# Holds unread streams in a process of its own, so that receiving them costs the measuring client nothing.
+HOLDER = """
+import sys, time
+sys.path[:0] = sys.argv[4:]
+import grpc
+from starvation_bench import open_streams
+channels, streams = open_streams(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "batches")
+print("open", flush=True)
+time.sleep(3600)
+"""
+
+
+@contextlib.contextmanager
+def streams_held_elsewhere(address: str, count: int, batches: bool) -> Iterator[None]:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, address, str(count), "batches" if batches else "events", *sys.path],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "open", "the stream holder did not start"
+        time.sleep(1.0)  # let the server take every stream
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def unread_streams(address: str, server_pid: int, seconds: float) -> list[str]:
     client = make_client(address)
     work = Workload("starve", 256, random.Random(0))
     admit_rpc(client, work)
-    rates = []
-    for count in (0, 16):
-        channels, streams = open_streams(address, count)
-        steps, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            client.stub.Step(work.decode_requests[steps % len(work.decode_requests)], timeout=30)
-            steps += 1
-        rates.append(steps / (time.perf_counter() - started))
-        close_streams(channels, streams)
+    rows, base = [], None
+    serves_batches = serves_event_batches(address)
+    for label, count, batches in (
+        ("no stream", 0, False),
+        ("8 WatchSteps + 8 WatchEvents streams never read", 16, False),
+        ("8 WatchSteps + 8 WatchEventBatches streams never read", 16, True),
+    ):
+        if batches and not serves_batches:
+            rows.append(f"256-request decode Steps/s, {label}: skipped (no WatchEventBatches in this build)")
+            continue
+        with streams_held_elsewhere(address, count, batches):
+            cpu_before = cpu_s(server_pid)
+            rate, num_steps = steps_per_s(client, work, seconds)
+            cpu_ms = (cpu_s(server_pid) - cpu_before) * 1e3 / num_steps
+        base = base or rate
+        rows.append(f"256-request decode Steps/s, {label}: {rate:.0f} ({rate / base:.2f}); server CPU {cpu_ms:.2f} ms per Step")
     client.close()
-    return [f"256-request decode Steps/s with {count} unread streams: {rate:.0f}" for count, rate in zip((0, 16), rates)], rates[1] / rates[0]
+    return rows
 
 
-def steps_per_s(client, work: Workload, seconds: float) -> float:
+def steps_per_s(client, work: Workload, seconds: float) -> tuple[float, int]:
+    """Back-to-back decode Steps for `seconds`: (Steps per second, Steps)."""
     steps, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         client.stub.Step(work.decode_requests[steps % len(work.decode_requests)], timeout=60)
         steps += 1
-    return steps / (time.perf_counter() - started)
+    return steps / (time.perf_counter() - started), steps
 
 
 def stopped_redis(tree: Path, directory: Path, seconds: float, num_lookup_clients: int) -> list[str]:
@@ -196,7 +249,7 @@ def stopped_redis(tree: Path, directory: Path, seconds: float, num_lookup_client
                 if state != "running":
                     redis_server.process.send_signal(signal.SIGSTOP)
                 before = num_lookups[0]
-                rate = steps_per_s(client, work, seconds)
+                rate, _ = steps_per_s(client, work, seconds)
                 rows.append(f"Redis {state}: {rate:.0f} decode Steps/s, {(num_lookups[0] - before) / seconds:.0f} cluster lookups/s beside them")
         finally:
             redis_server.process.send_signal(signal.SIGCONT)
@@ -229,10 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for line in idle_streams(server.address, args.streams, args.calls):
                     print(f"- {line}")
                 print(f"- {long_mutation(server.address)}")
-                rows, ratio = unread_streams(server.address, args.seconds)
-                for line in rows:
+                for line in unread_streams(server.address, server.pid, args.seconds):
                     print(f"- {line}")
-                print(f"- with unread streams / without: {ratio:.2f}")
             finally:
                 server.stop()
             for line in stopped_redis(tree, Path(directory), args.seconds, args.lookup_clients):

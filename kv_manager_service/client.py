@@ -342,6 +342,12 @@ class KVManagerClient:
     def watch_events(self, from_sequence: int = 0) -> Iterator[pb.KVEvent]:
         return self.stub.WatchEvents(pb.WatchEventsRequest(from_sequence=from_sequence))
 
+    def watch_event_batches(self, from_sequence: int = 0, max_events_per_message: int = 0) -> Iterator[list[pb.KVEvent]]:
+        """The events of `watch_events`, received several per message (0: the server's default)."""
+        request = pb.WatchEventBatchesRequest(from_sequence=from_sequence, max_events_per_message=max_events_per_message)
+        for response in self.stub.WatchEventBatches(request):
+            yield list(response.events)
+
     # -- plumbing ------------------------------------------------------------------
 
     def _call(self, method: Callable[..., Response], request: object) -> Response:

@@ -114,8 +114,9 @@ class BroadcastLog(Generic[Item]):
             end = min(len(entries), offset + max_items)
             return [(first_id + i - offset, entries[i]) for i in range(offset, end)]
 
-    async def follow(self, first_id: int) -> AsyncIterator[tuple[int, Item]]:
-        """Yield (id, item) from `first_id` on, until the log closes; on an event loop.
+    async def follow(self, first_id: int, max_items: int = 1 << 16) -> AsyncIterator[list[tuple[int, Item]]]:
+        """Yield every new (id, item) from `first_id` on, in lists of at most `max_items`, until the log
+        closes; on an event loop.
 
         Waiting costs a future, not a thread. Raises LogTruncatedError if the
         reader falls behind the retained window. A cancelled reader (its
@@ -130,15 +131,15 @@ class BroadcastLog(Generic[Item]):
                 offset = next_id - self.first_retained_id
                 # deque indexing is cheap near the ends, where new entries are.
                 entries = self._entries
-                batch = [entries[i] for i in range(offset, len(entries))]
+                end = min(len(entries), offset + max_items)
+                batch = [(next_id + i - offset, entries[i]) for i in range(offset, end)]
                 closed = self._closed
                 if not batch and not closed:
                     waiter = loop.create_future()
                     self._waiters.setdefault(loop, []).append(waiter)
             if batch:
-                for item in batch:
-                    yield next_id, item
-                    next_id += 1
+                yield batch
+                next_id += len(batch)
             elif closed:
                 return
             else:

@@ -48,7 +48,7 @@ SERVICE_NAME = SERVICE.full_name
 # Calls for the operator role only (workers, routers, dashboards), when tokens are on.
 OPERATOR_METHODS = frozenset(
     f"/{SERVICE_NAME}/{name}"
-    for name in ("WatchSteps", "AckSteps", "UnregisterWorker", "WatchEvents", "ResetPrefixCache")
+    for name in ("WatchSteps", "AckSteps", "UnregisterWorker", "WatchEvents", "WatchEventBatches", "ResetPrefixCache")
 )
 
 

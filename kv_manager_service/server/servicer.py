@@ -48,8 +48,10 @@ if TYPE_CHECKING:  # the mirror needs the optional redis package
 log = logging.getLogger("kv_manager_service.server.servicer")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVManagerService"]
-STREAMS_OF_BYTES = frozenset({"WatchSteps", "WatchEvents"})  # their handlers yield serialized messages
+STREAMS_OF_BYTES = frozenset({"WatchSteps", "WatchEvents", "WatchEventBatches"})  # they yield serialized messages
 SERIALIZED_EVENTS_KEPT = 8192
+DEFAULT_EVENTS_PER_MESSAGE = 1024
+_EVENTS_FIELD = b"\x0a"  # WatchEventBatchesResponse.events: field 1, wire type 2 (length-delimited)
 
 Response = TypeVar("Response")
 
@@ -313,8 +315,9 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         try:
             first = await self._off_loop(self.replica.open_worker_stream, request.worker_id, request.from_step_id)
             try:
-                async for _, delta in _follow(self.replica.steps, first, "from_step_id"):
-                    yield delta
+                async for batch in _follow(self.replica.steps, first, "from_step_id"):
+                    for _, delta in batch:
+                        yield delta
             finally:
                 self._close_worker_stream(request.worker_id)
         except KVCacheError as error:
@@ -327,10 +330,29 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             # 0 means everything still retained.
             first = request.from_sequence or replica.events.first_retained_id
             check_retained(replica.events, first, "from_sequence", "resync with FindCacheHit / GetStats")
-            async for sequence, (_, event) in _follow(replica.events, first, "from_sequence"):
-                yield self._serialized_event(sequence, event)
+            async for batch in _follow(replica.events, first, "from_sequence"):
+                for sequence, (_, event) in batch:
+                    yield self._serialized_event(sequence, event)
         except KVCacheError as error:
             log_rejected("WatchEvents", request, error)
+            end_call(context, error)
+
+    async def WatchEventBatches(
+        self, request: pb.WatchEventBatchesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        replica = self.replica
+        try:
+            first = request.from_sequence or replica.events.first_retained_id
+            check_retained(replica.events, first, "from_sequence", "resync with FindCacheHit / GetStats")
+            max_events = request.max_events_per_message or DEFAULT_EVENTS_PER_MESSAGE
+            async for batch in _follow(replica.events, first, "from_sequence", max_events):
+                # A WatchEventBatchesResponse is its events, each as field 1 (length-delimited).
+                yield b"".join(
+                    _EVENTS_FIELD + _varint(len(event)) + event
+                    for event in (self._serialized_event(sequence, event) for sequence, (_, event) in batch)
+                )
+        except KVCacheError as error:
+            log_rejected("WatchEventBatches", request, error)
             end_call(context, error)
 
     def _serialized_event(self, sequence: int, event: KVEvent) -> bytes:
@@ -372,11 +394,12 @@ def add_to_server(servicer: KVManagerServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
 
 
-async def _follow(log_: BroadcastLog, first: int, field: str) -> AsyncIterator:
-    """(id, entry) from `first` on, until the log closes; the call's cancellation ends it when the client leaves."""
+async def _follow(log_: BroadcastLog, first: int, field: str, max_items: int = 1 << 16) -> AsyncIterator[list]:
+    """Lists of (id, entry) from `first` on, until the log closes (BroadcastLog.follow); the call's
+    cancellation ends it when the client leaves."""
     try:
-        async for entry in log_.follow(first):
-            yield entry
+        async for batch in log_.follow(first, max_items):
+            yield batch
     except LogTruncatedError as e:
         raise OutOfRangeError(
             f"the reader fell behind: entry {e.first_wanted} was dropped (oldest is {e.first_retained})", field
@@ -451,3 +474,13 @@ def _carried_request_ids(message: Message) -> list[str]:
         if name in fields:
             ids.extend(getattr(message, name)[:MAX_LOGGED_IDS])
     return [request_id for request_id in ids if request_id][:MAX_LOGGED_IDS]
+
+
+def _varint(value: int) -> bytes:
+    """`value` (>= 0) as a protobuf varint: 7 bits a byte, least significant first."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

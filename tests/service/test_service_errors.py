@@ -440,6 +440,8 @@ def test_streams_from_a_dropped_position_are_out_of_range():
                     assert_error(error, Code.OUT_OF_RANGE, "OUT_OF_RANGE", "from_step_id", "no longer retained")
                     error = stream_error(stub.WatchEvents, pb.WatchEventsRequest(from_sequence=first))
                     assert_error(error, Code.OUT_OF_RANGE, "OUT_OF_RANGE", "from_sequence", "no longer retained")
+                    error = stream_error(stub.WatchEventBatches, pb.WatchEventBatchesRequest(from_sequence=first))
+                    assert_error(error, Code.OUT_OF_RANGE, "OUT_OF_RANGE", "from_sequence", "no longer retained")
             # What is retained still streams.
             assert [d.step_id for d in read_steps(stub, "late", 3, 2)] == [3, 4]
             assert [e.sequence for e in read_events(stub, 3, 2)] == [3, 4]

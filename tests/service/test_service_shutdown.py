@@ -25,8 +25,7 @@ def test_sigterm_under_a_backlog_exits_0_and_keeps_every_acknowledged_step(serve
     lock = threading.Lock()
     some_answered = threading.Event()
 
-    def caller(index: int) -> None:
-        _, stub = connect(server.address)
+    def caller(index: int, stub) -> None:
         for round_ in range(1_000):
             ids = [f"c{index}-{round_}-{op}" for op in range(OPS_PER_STEP)]
             request = step_request([op_alloc(request_id, [op]) for op, request_id in enumerate(ids)])
@@ -42,7 +41,8 @@ def test_sigterm_under_a_backlog_exits_0_and_keeps_every_acknowledged_step(serve
                 if len(acknowledged) >= 4:
                     some_answered.set()
 
-    callers = [threading.Thread(target=caller, args=(index,)) for index in range(NUM_CALLERS)]
+    stubs = [connect(server.address)[1] for _ in range(NUM_CALLERS)]  # connected before SIGTERM can come
+    callers = [threading.Thread(target=caller, args=(index, stub)) for index, stub in enumerate(stubs)]
     for thread in callers:
         thread.start()
     assert some_answered.wait(120), "no Step was answered"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import cbor2
+import grpc
 import pytest
 
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -171,3 +172,23 @@ def test_a_group_with_bigger_blocks_names_each_block_by_its_last_hash(server_fac
         assert hit.num_cached_tokens == 64  # on lcm (32) boundaries
         assert [len(g.block_ids) for g in hit.groups] == [2, 4]
         assert list(hit.groups[1].block_ids)[:2] == [0, 0]  # outside the window: null placeholders
+
+
+@pytest.mark.parametrize("max_events", [0, 1, 3])
+def test_batches_carry_the_same_events_in_order(stub, history, max_events):
+    """WatchEventBatches streams WatchEvents' events, at most max_events_per_message a message (0: 1024)."""
+    last = stats(stub).last_event_sequence
+    request = pb.WatchEventBatchesRequest(from_sequence=2, max_events_per_message=max_events)
+    stream = stub.WatchEventBatches(request, timeout=30)
+    received: list[pb.KVEvent] = []
+    try:
+        for response in stream:
+            assert 0 < len(response.events) <= (max_events or 1024)
+            received += response.events
+            if len(received) >= last - 1:
+                break
+    finally:
+        stream.cancel()
+    assert [e.sequence for e in received] == list(range(2, last + 1))
+    assert received[: len(history) - 1] == history[1:]
+
