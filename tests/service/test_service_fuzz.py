@@ -202,6 +202,11 @@ STRATEGIES: dict[str, st.SearchStrategy] = {
     "ResetPrefixCache": st.just(pb.ResetPrefixCacheRequest()),
     "GetStats": st.just(pb.GetStatsRequest()),
     "WatchEvents": st.builds(pb.WatchEventsRequest, from_sequence=st.one_of(st.integers(0, 100), st.just(UINT64_MAX))),
+    "WatchEventBatches": st.builds(
+        pb.WatchEventBatchesRequest,
+        from_sequence=st.one_of(st.integers(0, 100), st.just(UINT64_MAX)),
+        max_events_per_message=st.one_of(st.integers(0, 4), st.just(2**32 - 1)),
+    ),
 }
 # Mutations more often than reads.
 WEIGHTED_METHODS = sorted(METHODS) + ["Step"] * 6 + ["Allocate", "Free", "Fork"] * 4 + ["AckSteps"] * 2
