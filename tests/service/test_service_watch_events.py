@@ -13,6 +13,7 @@ import cbor2
 import grpc
 import pytest
 
+from kv_manager_service.client import KVManagerClient
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from svc_support import OK, ROOT_HASH, alloc, chain_hashes, connect, pool_config, stats, take, watch_events
@@ -192,3 +193,19 @@ def test_batches_carry_the_same_events_in_order(stub, history, max_events):
     assert [e.sequence for e in received] == list(range(2, last + 1))
     assert received[: len(history) - 1] == history[1:]
 
+
+
+def test_the_client_reads_batches_as_lists_of_events(events_server, stub, history):
+    client = KVManagerClient(events_server.address)
+    try:
+        batches = client.watch_event_batches(from_sequence=1, max_events_per_message=4)
+        received: list[pb.KVEvent] = []
+        for batch in batches:
+            assert 0 < len(batch) <= 4
+            received += batch
+            if len(received) >= len(history):
+                break
+        batches.close()
+    finally:
+        client.close()
+    assert received[: len(history)] == history
