@@ -340,6 +340,8 @@ class KVManagerClient:
         return self.stub.WatchSteps(pb.WatchStepsRequest(worker_id=worker_id, from_step_id=from_step_id))
 
     def watch_events(self, from_sequence: int = 0) -> Iterator[pb.KVEvent]:
+        """Events one per message: WatchEvents is deprecated (each event costs the server a message per
+        watcher); prefer `watch_event_batches`."""
         return self.stub.WatchEvents(pb.WatchEventsRequest(from_sequence=from_sequence))
 
     def watch_event_batches(self, from_sequence: int = 0, max_events_per_message: int = 0) -> Iterator[list[pb.KVEvent]]:

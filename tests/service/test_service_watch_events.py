@@ -209,3 +209,10 @@ def test_the_client_reads_batches_as_lists_of_events(events_server, stub, histor
     finally:
         client.close()
     assert received[: len(history)] == history
+
+
+def test_watch_events_is_deprecated_in_the_contract_in_favour_of_batches():
+    """Every event of WatchEvents costs the server a message per watcher; the contract says so."""
+    methods = pb.DESCRIPTOR.services_by_name["KVManagerService"].methods_by_name
+    assert methods["WatchEvents"].GetOptions().deprecated
+    assert not methods["WatchEventBatches"].GetOptions().deprecated
