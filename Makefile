@@ -8,12 +8,19 @@ ARGS ?=
 
 .PHONY: setup demo run test bench clean
 
-# CPU machines take the CPU build of torch (constraints/cpu.txt); on a GPU
-# machine run `make setup CONSTRAINTS=` after installing torch for its CUDA.
+# torch comes first, from TORCH_INDEX, the PyTorch index of its CPU builds
+# (plain PyPI serves torch only as a CUDA build of several GB), alone; its
+# dependencies come with the project from the usual indexes. pip's own
+# configuration (a mirror, find-links) still applies beside it.
+# constraints/cpu.txt pins the CPU build, so a machine that cannot reach one
+# stops with an error instead of downloading CUDA. On a GPU machine:
+#   make setup CONSTRAINTS='-c constraints/cuda.txt' TORCH_INDEX=https://download.pytorch.org/whl/cu130
 CONSTRAINTS ?= -c constraints/cpu.txt
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 $(BIN)/.installed: pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --no-deps $(CONSTRAINTS) --index-url $(TORCH_INDEX) torch
 	$(BIN)/pip install --quiet $(CONSTRAINTS) -e '.[worker,demo,test,bench]'
 	touch $@
 
@@ -26,7 +33,9 @@ run: setup
 	$(BIN)/kv-manager replay $(ARGS)
 
 # Tests run in up to 4 processes (pytest-xdist; 2 on a 2-core machine); skipped tests print their reason.
+# The system packages they use are installed first when missing (tools/system-packages.sh).
 test: setup
+	tools/system-packages.sh
 	$(BIN)/python -m pytest -q -rs -n auto --maxprocesses 4 $(ARGS)
 
 bench: setup
