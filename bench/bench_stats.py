@@ -42,3 +42,23 @@ def fmt(value: float) -> str:
     if abs(value) >= 1:
         return f"{value:.2f}"
     return f"{value:.3f}"
+
+
+# A spread (highest round median minus lowest) past this share of the median: the rounds disagree,
+# most often because something else ran on the machine.
+WIDE_SPREAD = 0.25
+
+
+def busy_machine_warning(spreads: Sequence[tuple[str, float, float, float]], loadavg: float, num_cpus: int) -> str:
+    """A warning naming each (metric, median, lowest, highest) whose spread is wide, with the load average;
+    "" when every spread is narrow."""
+    wide = [(name, median, low, high) for name, median, low, high in spreads if median and (high - low) / median > WIDE_SPREAD]
+    if not wide:
+        return ""
+    lines = [
+        f"WARNING: the machine looks busy (load average {loadavg:.2f} on {num_cpus} CPUs): these figures varied "
+        f"by more than {WIDE_SPREAD:.0%} between rounds, so their medians are not to be trusted; rerun on an idle machine."
+    ]
+    for name, median, low, high in wide:
+        lines.append(f"  {name}: median {fmt(median)}, rounds from {fmt(low)} to {fmt(high)} ({(high - low) / median:.0%})")
+    return "\n".join(lines)

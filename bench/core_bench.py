@@ -57,6 +57,8 @@ from kv_manager_service.core.block_pool import BlockPool
 from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, replay
 from kv_manager_service.workload import TokenExpander, load_trace
 
+from bench_stats import busy_machine_warning  # bench/ is the script's own folder
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16
@@ -554,6 +556,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_decode(args.profile_decode, 256, 1000, 50 if quick else 200)
     command = shlex.join(["python", *sys.argv])
     print(render(rows, command, (now_ns() - started) / 1e9, rounds, trace_rounds))
+    spreads = [(f"[{row.section}] {row.metric}", row.value, *row.spread) for row in rows if row.spread]
+    warning = busy_machine_warning(spreads, os.getloadavg()[0], os.cpu_count() or 1)
+    if warning:
+        print("\n" + warning)
     return 0
 
 
