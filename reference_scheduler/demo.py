@@ -5,9 +5,12 @@ Without `--replica`, the demo starts one `kv-manager serve` and one
 MANAGER=WORKER` (repeatable) it drives services already running, and sends
 each request to the replica holding the longest cached prefix of it (one
 cluster lookup through the Redis mirror when the replicas mirror, else one
-lookup per replica). Every request of the trace is waiting from the start,
-in trace order; a replica takes new requests while its waiting queue is
-short, so routing sees what earlier requests cached.
+lookup per replica). The workload is a window of the trace: `--requests`
+requests from `--start` on; by default the window of the project's trace
+where conversations continue (`demo_flags.DEFAULT_START`), so prefix hits
+show. Every request of the window is waiting from the start, in trace order;
+a replica takes new requests while its waiting queue is short, so routing
+sees what earlier requests cached.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kv_manager_service.rpc.launch import LaunchedProcess, launch
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
 from kv_manager_service.workload import TokenExpander, TraceRecord, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
+from reference_scheduler.demo_flags import DEFAULT_START
 from reference_scheduler.demo_report import Sample, build_report, print_report, write_figure
 from reference_scheduler.progress import ProgressBar
 from reference_scheduler.scheduler import ReferenceScheduler, SchedulerConfig
@@ -50,9 +54,15 @@ class Replica:
 
 def run_demo(args: argparse.Namespace) -> int:
     trace = args.trace or DEFAULT_TRACE
+    start = trace_start(args)
     if not trace.exists():
         raise ValueError(f"trace file {trace} not found; pass --trace PATH")
-    records = load_trace(trace, limit=args.requests)
+    records = load_trace(trace, limit=start + args.requests)
+    if len(records) <= start:
+        raise ValueError(
+            f"--start {start} is past the end of {trace} ({len(records)} requests); pass a smaller --start"
+        )
+    records = records[start:]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     processes: list[LaunchedProcess] = []
     try:
@@ -63,18 +73,26 @@ def run_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"--replica: the managers' replica ids must differ, got {ids} (set serve --replica-id)")
         vocab_size = min(r.worker.info().vocab_size for r in replicas)
         expander = TokenExpander(vocab_size=vocab_size, scale=args.scale)
-        workload = [(f"req-{i}", record) for i, record in enumerate(records)]
-        print(_banner(args, replicas, len(workload)), file=sys.stderr)
+        workload = [(f"req-{start + i}", record) for i, record in enumerate(records)]  # named by trace index
+        print(_banner(args, replicas, trace.name, start, len(workload)), file=sys.stderr)
         samples, wall_s = _drive(replicas, workload, expander, args)
-        report = build_report(replicas, samples, wall_s, args)
+        report = build_report(replicas, samples, wall_s, args, trace.name, start)
         print_report(report)
         (args.output_dir / "report.json").write_text(report.to_json())
-        write_figure(samples, args.output_dir / "demo.png")
+        title = f"kv-manager demo: requests {start}..{start + len(workload) - 1} of {trace.name}, scaled"
+        write_figure(samples, args.output_dir / "demo.png", title)
         print(f"\nwrote {args.output_dir / 'report.json'} and {args.output_dir / 'demo.png'}")
     finally:
         for process in reversed(processes):
             process.stop()
     return 0
+
+
+def trace_start(args: argparse.Namespace) -> int:
+    """The window's first trace index: `--start`, else `DEFAULT_START` for the project's trace and 0 for another."""
+    if args.start is not None:
+        return args.start
+    return DEFAULT_START if args.trace is None else 0
 
 
 def _start_local(args: argparse.Namespace, processes: list[LaunchedProcess]) -> tuple[str, str]:
@@ -163,7 +181,11 @@ def _route(replicas: list[Replica], prompt: list[int]) -> Replica:
 def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
     queries = hits = used = total = 0
     real = paged = own_max = contiguous = 0
+    cached = admitted = 0
     for replica in replicas:
+        counters = replica.scheduler.counters
+        cached += counters.num_cached_tokens
+        admitted += counters.num_admitted_tokens
         stats = replica.manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
         queries += stats.prefix_cache_queries - replica.stats_before.prefix_cache_queries
         hits += stats.prefix_cache_hits - replica.stats_before.prefix_cache_hits
@@ -190,18 +212,23 @@ def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
         paged_slots=paged,
         own_max_slots=own_max,
         contiguous_slots=contiguous,
+        num_prefix_hit_tokens=cached,
+        num_prefilled_tokens=admitted - cached,
     )
 
 
-def _banner(args: argparse.Namespace, replicas: list[Replica], num_requests: int) -> str:
+def _banner(args: argparse.Namespace, replicas: list[Replica], trace_name: str, start: int, num_requests: int) -> str:
     where = (
-        f"{len(replicas)} replica{'s' if len(replicas) > 1 else ''} ({', '.join(r.replica_id for r in replicas)})"
+        f"{len(replicas)} replica{'' if len(replicas) == 1 else 's'} ({', '.join(r.replica_id for r in replicas)})"
         if args.replica
         else f"a local manager ({replicas[0].num_blocks} blocks x {replicas[0].block_size} tokens) and worker "
         f"({args.model}, {args.backend} backend, CPU)"
     )
+    window = (
+        f"the first {num_requests} requests" if start == 0 else f"requests {start}..{start + num_requests - 1}"
+    )
     return (
-        f"Replaying the first {num_requests} Mooncake requests (prompts x {args.scale:g}, outputs x "
+        f"Replaying {window} of {trace_name} (prompts x {args.scale:g}, outputs x "
         f"{args.output_scale:g}) on {where}; token budget {args.token_budget}, up to {args.max_running} running"
     )
 

@@ -1,4 +1,17 @@
-"""What the demo measured: samples over time, the final report, and its figure."""
+"""What the demo measured: samples over time, the final report, and its figure.
+
+`report.json` holds the `Report` fields and a `units` map (`REPORT_UNITS`)
+that gives each field's unit; fractions are in 0..1, not percent.
+
+What prefix hits saved: an admission's cached prefix is not prefilled, so the
+hits saved `num_prefix_hit_tokens` tokens of prefill. The time they saved is
+an estimate from this run's prefill rate: the tokens computed by the steps
+that prefilled, over those steps' model time (the worker's `forward_ms`).
+The estimate is the saved tokens at that rate. It is rough both ways: a
+cached prefix sits at the start of its prompt, where attention is cheaper
+than for the tail the run computed (it errs high), and it leaves out the
+fixed cost of the extra steps computing them would have taken (it errs low).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +20,15 @@ import dataclasses
 import json
 import math
 import statistics
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from reference_scheduler.scheduler import StepTiming
+
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from reference_scheduler.demo import Replica
 
 # The PagedAttention paper (Kwon et al., SOSP 2023, Fig. 2): in earlier systems that reserve
@@ -33,15 +51,25 @@ class Sample:
     paged_slots: int  # token slots of the blocks those requests hold
     own_max_slots: int  # token slots reserving each request's own maximum (prompt + output limit)
     contiguous_slots: int  # token slots reserving max-model-len for each request
+    num_prefix_hit_tokens: int  # admitted tokens found in the prefix cache since the demo started
+    num_prefilled_tokens: int  # admitted tokens computed since the demo started
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
+    """The demo's result; `REPORT_UNITS` gives each field's unit."""
+
+    trace_file: str
+    trace_start_index: int
     num_requests: int
     num_completed: int
     num_prompt_tokens: int
     num_generated_tokens: int
     prefix_hit_rate: float
+    num_prefix_hit_tokens: int
+    num_prefilled_tokens: int
+    prefill_tokens_per_s: float | None  # None: too few steps to measure it
+    est_prefill_time_saved_s: float | None
     mean_usage: float
     peak_usage: float
     wall_s: float
@@ -59,12 +87,56 @@ class Report:
     requests_per_replica: dict[str, int]
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+        return json.dumps({**dataclasses.asdict(self), "units": REPORT_UNITS}, indent=2) + "\n"
 
 
-def build_report(replicas: Sequence["Replica"], samples: Sequence[Sample], wall_s: float, args: argparse.Namespace) -> Report:
+_FRACTION_OF_SLOTS = "fraction (0..1) of the token slots reserved for the running requests, averaged over the run"
+
+# The unit of every Report field, written to report.json as "units".
+REPORT_UNITS: dict[str, str] = {
+    "trace_file": "file name",
+    "trace_start_index": "0-based index (line) in the trace of the first request replayed",
+    "num_requests": "requests",
+    "num_completed": "requests",
+    "num_prompt_tokens": "tokens (scaled prompts, each request counted once)",
+    "num_generated_tokens": "tokens",
+    "prefix_hit_rate": "fraction (0..1) of the tokens looked up on admission found in the prefix cache",
+    "num_prefix_hit_tokens": "tokens found in the prefix cache on admission, so not prefilled "
+    "(re-admissions after preemption included)",
+    "num_prefilled_tokens": "tokens prefilled after admission (recomputation after preemption included)",
+    "prefill_tokens_per_s": "tokens/s of model time: the tokens computed by the steps that prefilled, over "
+    "their model time",
+    "est_prefill_time_saved_s": "s of model time: num_prefix_hit_tokens / prefill_tokens_per_s",
+    "mean_usage": "fraction (0..1) of usable blocks in use, averaged over the run's samples",
+    "peak_usage": "fraction (0..1) of usable blocks in use, the highest sample",
+    "wall_s": "s",
+    "requests_per_s": "requests/s",
+    "generated_tokens_per_s": "tokens/s",
+    "step_ms_p50": "ms",
+    "step_ms_p99": "ms",
+    "execute_ms_p50": "ms",
+    "execute_ms_p99": "ms",
+    "num_preemptions": "preemptions",
+    "paged_real_token_share": _FRACTION_OF_SLOTS + " (paged, the blocks they hold)",
+    "own_max_real_token_share": _FRACTION_OF_SLOTS + " (contiguous, each request's prompt + output limit)",
+    "contiguous_real_token_share": _FRACTION_OF_SLOTS + " (contiguous, max_model_len or more each)",
+    "max_model_len": "tokens",
+    "requests_per_replica": "requests, by replica id",
+}
+
+
+def build_report(
+    replicas: Sequence["Replica"],
+    samples: Sequence[Sample],
+    wall_s: float,
+    args: argparse.Namespace,
+    trace_file: str,
+    trace_start_index: int,
+) -> Report:
     requests = [r for replica in replicas for r in replica.scheduler.sequences.values()]
     timings = [t for replica in replicas for t in replica.scheduler.timings]
+    num_prefix_hit_tokens = sum(replica.scheduler.counters.num_cached_tokens for replica in replicas)
+    seconds_per_token = prefill_seconds_per_token(timings)
     executed = [t.execute_ms for t in timings if t.num_requests]
     step_ms = [t.step_ms for t in timings]
     real = sum(s.real_tokens for s in samples)
@@ -72,11 +144,20 @@ def build_report(replicas: Sequence["Replica"], samples: Sequence[Sample], wall_
     num_completed = sum(1 for r in requests if r.finished)
     generated = sum(r.num_output_tokens for r in requests)
     return Report(
+        trace_file=trace_file,
+        trace_start_index=trace_start_index,
         num_requests=args.requests if not requests else len(requests),
         num_completed=num_completed,
         num_prompt_tokens=sum(r.num_prompt_tokens for r in requests),
         num_generated_tokens=generated,
         prefix_hit_rate=last.hit_rate if last else 0.0,
+        num_prefix_hit_tokens=num_prefix_hit_tokens,
+        num_prefilled_tokens=sum(
+            replica.scheduler.counters.num_admitted_tokens - replica.scheduler.counters.num_cached_tokens
+            for replica in replicas
+        ),
+        prefill_tokens_per_s=1 / seconds_per_token if seconds_per_token else None,
+        est_prefill_time_saved_s=num_prefix_hit_tokens * seconds_per_token if seconds_per_token else None,
         mean_usage=statistics.fmean(s.usage for s in samples) if samples else 0.0,
         peak_usage=max((s.usage for s in samples), default=0.0),
         wall_s=wall_s,
@@ -95,12 +176,39 @@ def build_report(replicas: Sequence["Replica"], samples: Sequence[Sample], wall_
     )
 
 
+def prefill_seconds_per_token(timings: Sequence[StepTiming]) -> float | None:
+    """This run's model time per computed token over the steps that prefilled, in seconds; None if none did.
+
+    A step prefilled when it computed more tokens than it ran requests (a
+    decode computes one). Such a step's decodes are counted with its prefill
+    chunks: they are a few tokens of each.
+    """
+    num_tokens = forward_ms = 0.0
+    for timing in timings:
+        if timing.num_tokens > timing.num_requests:
+            num_tokens += timing.num_tokens
+            forward_ms += timing.forward_ms
+    return forward_ms / 1e3 / num_tokens if num_tokens and forward_ms > 0 else None
+
+
 def print_report(report: Report) -> None:
     low, high = PAPER_CONTIGUOUS_RANGE
+    first = report.trace_start_index
+    if report.est_prefill_time_saved_s is None or report.prefill_tokens_per_s is None:
+        saved_time = "not estimated (too few steps to measure the prefill rate)"
+    else:
+        saved_time = (
+            f"{report.est_prefill_time_saved_s:.1f} s of model time (estimated: "
+            f"{report.num_prefix_hit_tokens:,} tokens at {report.prefill_tokens_per_s:,.0f} prefill tokens/s)"
+        )
     rows = [
+        ("trace requests", f"{first}..{first + report.num_requests - 1} of {report.trace_file}"),
         ("requests completed", f"{report.num_completed} / {report.num_requests}"),
         ("prompt / generated tokens", f"{report.num_prompt_tokens:,} / {report.num_generated_tokens:,}"),
         ("prefix-hit rate (tokens)", f"{report.prefix_hit_rate:.1%}"),
+        ("tokens found cached, not prefilled", f"{report.num_prefix_hit_tokens:,}"),
+        ("tokens prefilled", f"{report.num_prefilled_tokens:,}"),
+        ("prefill time the hits saved", saved_time),
         ("KV usage, mean / peak", f"{report.mean_usage:.1%} / {report.peak_usage:.1%}"),
         ("requests per second", f"{report.requests_per_s:.2f}  ({report.generated_tokens_per_s:,.0f} generated tokens/s)"),
         ("Step RPC latency p50 / p99", f"{report.step_ms_p50:.2f} / {report.step_ms_p99:.2f} ms"),
@@ -109,10 +217,7 @@ def print_report(report: Report) -> None:
         ("reserved KV holding real tokens", ""),
         ("  paged (16-token blocks)", f"{report.paged_real_token_share:.1%}"),
         ("  contiguous, each request's own max length", f"{report.own_max_real_token_share:.1%}"),
-        (
-            f"  contiguous, max-model-len ({report.max_model_len}) each",
-            f"{report.contiguous_real_token_share:.1%}  (PagedAttention paper, earlier systems: {low:.1%}-{high:.1%})",
-        ),
+        (f"  contiguous, max-model-len ({report.max_model_len}) each", f"{report.contiguous_real_token_share:.1%}"),
         ("wall time", f"{report.wall_s:.1f} s"),
     ]
     if len(report.requests_per_replica) > 1:
@@ -121,32 +226,58 @@ def print_report(report: Report) -> None:
     print("\nDemo report")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+    notes = [
+        "The prefill time saved is an estimate: the cached tokens at this run's prefill rate, which is the "
+        "tokens computed by the steps that prefilled over the worker's model time for those steps.",
+        f"The PagedAttention paper (Kwon et al., SOSP 2023) found that earlier systems, which reserve contiguous "
+        f"memory for each request, held real tokens in only {low:.1%} to {high:.1%} of their KV memory; here a "
+        f"{report.max_model_len}-token contiguous reservation per request would hold "
+        f"{report.contiguous_real_token_share:.1%}, and paging holds {report.paged_real_token_share:.1%}.",
+    ]
+    for note in notes:
+        print()
+        print(textwrap.fill(note, width=100, initial_indent="  ", subsequent_indent="  "))
 
 
-def write_figure(samples: Sequence[Sample], path: Path) -> None:
-    """KV usage and prefix-hit rate over time, and the running/waiting requests, as a PNG."""
+def build_figure(samples: Sequence[Sample], title: str) -> "Figure":
+    """KV usage and prefix-hit rate, prefill tokens cached and computed, and requests, over time.
+
+    Every legend sits to the right of its axes, outside the plotted data.
+    """
     try:
         import matplotlib
     except ImportError:
-        raise ValueError(f"writing {path} needs matplotlib: install the demo extra (pip install '.[demo]')") from None
+        raise ValueError("the demo's figure needs matplotlib: install the demo extra (pip install '.[demo]')") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t = [s.t_s for s in samples]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, constrained_layout=True)
-    top.plot(t, [100 * s.usage for s in samples], label="KV usage (blocks in use)")
-    top.plot(t, [100 * s.hit_rate for s in samples], label="prefix-hit rate (tokens, cumulative)")
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True, constrained_layout=True)
+    top.plot(t, [100 * s.usage for s in samples], label="KV usage\n(blocks in use)")
+    top.plot(t, [100 * s.hit_rate for s in samples], label="prefix-hit rate\n(tokens, cumulative)")
     top.set_ylabel("%")
     top.set_ylim(0, 100)
-    top.legend(loc="lower right")
-    top.set_title("kv-manager demo: a scaled Mooncake trace")
+    top.set_title(title)
+    middle.plot(t, [s.num_prefix_hit_tokens / 1e3 for s in samples], label="found cached:\nnot prefilled")
+    middle.plot(t, [s.num_prefilled_tokens / 1e3 for s in samples], label="prefilled")
+    middle.set_ylabel("thousand tokens\n(cumulative)")
+    middle.set_ylim(bottom=0)
     bottom.plot(t, [s.num_running for s in samples], label="running")
     bottom.plot(t, [s.num_waiting for s in samples], label="waiting")
-    bottom.plot(t, [s.num_preemptions for s in samples], label="preemptions (cumulative)")
+    bottom.plot(t, [s.num_preemptions for s in samples], label="preemptions\n(cumulative)")
     bottom.set_xlabel("seconds")
     bottom.set_ylabel("requests")
-    bottom.legend(loc="upper right")
+    for axes in (top, middle, bottom):
+        axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+    return fig
+
+
+def write_figure(samples: Sequence[Sample], path: Path, title: str) -> None:
+    """`build_figure` as a PNG at `path`."""
+    fig = build_figure(samples, title)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

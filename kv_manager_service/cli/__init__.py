@@ -268,8 +268,9 @@ def make_parser() -> argparse.ArgumentParser:
         "demo",
         help="run a manager, a worker and a scheduler on a scaled Mooncake trace, and report",
         description="Starts a kv-manager and a gpu-worker (CPU, torch backend) as local processes, or "
-        "connects to running ones (--replica), and replays the first requests of the Mooncake trace "
-        "through the reference scheduler (continuous batching, chunked prefill, preemption on NO_SPACE). "
+        "connects to running ones (--replica), and replays a window of the Mooncake trace (by default one "
+        "where conversations continue and share prefixes) through the reference scheduler (continuous "
+        "batching, chunked prefill, preemption on NO_SPACE). "
         "Prints a report and writes report.json and demo.png. Needs the worker extra.",
     )
     from reference_scheduler.demo_flags import add_demo_flags

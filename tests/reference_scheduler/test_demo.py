@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import subprocess
 import sys
+import types
 
+import matplotlib.pyplot
+import pytest
 from e2e_support import start_stack, stop_stack
 from processes import ROOT
 
+from kv_manager_service.cli import make_parser
+from kv_manager_service.cli.replay import ReplayConfig, replay
+from kv_manager_service.core import KVCacheManager
+from kv_manager_service.core.config import KVCacheConfig
+from kv_manager_service.workload import TokenExpander, load_trace
+from reference_scheduler.demo import DEFAULT_TRACE, _banner, trace_start
+from reference_scheduler.demo_report import REPORT_UNITS, Report, Sample, build_figure
+
 REPORT_FIELDS = {
-    "num_requests", "num_completed", "prefix_hit_rate", "mean_usage", "peak_usage", "requests_per_s",
-    "step_ms_p50", "step_ms_p99", "num_preemptions", "paged_real_token_share", "own_max_real_token_share",
-    "contiguous_real_token_share", "requests_per_replica",
+    "trace_file", "trace_start_index", "num_requests", "num_completed", "prefix_hit_rate", "num_prefix_hit_tokens",
+    "num_prefilled_tokens", "prefill_tokens_per_s", "est_prefill_time_saved_s", "mean_usage", "peak_usage",
+    "requests_per_s", "step_ms_p50", "step_ms_p99", "num_preemptions", "paged_real_token_share",
+    "own_max_real_token_share", "contiguous_real_token_share", "requests_per_replica",
 }  # fmt: skip
+
+
+def default_demo_flags(*argv: str) -> argparse.Namespace:
+    return make_parser().parse_args(["demo", *argv])
 
 
 def run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -27,10 +45,49 @@ def run_demo(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     return done, json.loads((out / "report.json").read_text())
 
 
+def test_the_default_window_hits_the_prefix_cache():
+    """The default workload, replayed through the core with the demo's pool and scheduler limits (no model)."""
+    args = default_demo_flags()
+    start = trace_start(args)
+    window = load_trace(DEFAULT_TRACE, limit=start + args.requests)[start:]
+    assert len(window) == args.requests
+
+    def hit_rate(records) -> float:
+        manager = KVCacheManager(KVCacheConfig(num_blocks=args.num_blocks))
+        limits = ReplayConfig(args.token_budget, args.max_running)
+        result = replay(manager, records, TokenExpander(scale=args.scale), limits)
+        assert result.num_completed == len(records)
+        return result.prefix_hit_rate
+
+    # The trace's opening requests share little; the default window is where its conversations continue.
+    assert hit_rate(window) > 0.2 > hit_rate(load_trace(DEFAULT_TRACE, limit=args.requests))
+
+
+def test_the_window_starts_where_asked_or_at_the_default():
+    assert trace_start(default_demo_flags()) == 3840
+    assert trace_start(default_demo_flags("--start", "7")) == 7
+    assert trace_start(default_demo_flags("--trace", "other.jsonl")) == 0  # the default window is the project trace's
+
+
 def test_the_local_demo_reports_on_paging(tmp_path):
-    done, report = run_demo(tmp_path, "--requests", "12", "--model", "tiny", "--num-blocks", "96", "--max-running", "8")
+    done, report = run_demo(
+        tmp_path, "--start", "0", "--requests", "12", "--model", "tiny", "--num-blocks", "96", "--max-running", "8"
+    )
     assert REPORT_FIELDS <= set(report)
+    assert set(report["units"]) == set(report) - {"units"}  # every field says its unit
+    assert report["trace_start_index"] == 0 and report["trace_file"] == DEFAULT_TRACE.name
     assert report["num_requests"] == report["num_completed"] == 12
+    # The manager's hit rate and the scheduler's token counts agree: hits over the tokens looked up.
+    looked_up = report["num_prefix_hit_tokens"] + report["num_prefilled_tokens"]
+    assert looked_up >= report["num_prompt_tokens"]  # re-admissions after preemption look up again
+    assert report["num_prefix_hit_tokens"] == pytest.approx(report["prefix_hit_rate"] * looked_up)
+    assert report["prefill_tokens_per_s"] > 0
+    assert report["est_prefill_time_saved_s"] == pytest.approx(
+        report["num_prefix_hit_tokens"] / report["prefill_tokens_per_s"]
+    )
+    assert "Replaying the first 12 requests of mooncake_synthetic_trace.jsonl" in done.stderr
+    assert "0..11 of mooncake_synthetic_trace.jsonl" in done.stdout
+    assert "prefill time the hits saved" in done.stdout
     assert "Demo report" in done.stdout and "requests completed" in done.stdout
     assert "12/12 requests" in done.stderr  # the progress line
     # Paging wastes at most a block's tail per request; a 2048-token contiguous reservation wastes most of it.
@@ -46,7 +103,8 @@ def test_the_demo_routes_over_running_replicas(tmp_path):
     try:
         pairs = [f"{s.manager.address}={s.worker.address}" for s, _ in stacks]
         done, report = run_demo(tmp_path, "--requests", "16", "--replica", pairs[0], "--replica", pairs[1])
-        assert report["num_completed"] == 16
+        assert report["num_completed"] == 16 and report["trace_start_index"] == 3840
+        assert "Replaying requests 3840..3855 of mooncake_synthetic_trace.jsonl" in done.stderr, done.stderr
         assert "on 2 replicas (replica-a, replica-b);" in done.stderr, done.stderr
         assert sum(report["requests_per_replica"].values()) == 16 and len(report["requests_per_replica"]) == 2
         for stack, _ in stacks:
@@ -64,9 +122,41 @@ def test_bad_flags_are_refused_naming_them(tmp_path):
         (["--replica", "nonsense"], "expected MANAGER_HOST:PORT=WORKER_HOST:PORT"),
         (["--scale", "2"], "must be in (0, 1]"),
         (["--trace", str(tmp_path / "missing.jsonl")], "not found"),
+        (["--start", "-1"], "must be >= 0"),
+        (["--start", "5000"], "--start 5000 is past the end of"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "kv_manager_service.cli", "demo", "--output-dir", str(tmp_path), *args],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_the_banner_counts_replicas_in_the_singular_and_plural():
+    args = default_demo_flags("--replica", "a:1=b:2")
+    one = [types.SimpleNamespace(replica_id="replica-a")]
+    two = [*one, types.SimpleNamespace(replica_id="replica-b")]
+    assert "on 1 replica (replica-a);" in _banner(args, one, "trace.jsonl", 0, 2)
+    assert "on 2 replicas (replica-a, replica-b);" in _banner(args, two, "trace.jsonl", 0, 2)
+    assert "Replaying the first 2 requests of trace.jsonl" in _banner(args, one, "trace.jsonl", 0, 2)
+
+
+def test_the_report_gives_every_field_a_unit():
+    assert set(REPORT_UNITS) == {field.name for field in dataclasses.fields(Report)}
+
+
+def test_the_figure_legends_sit_outside_the_plotted_data():
+    samples = [
+        Sample(t_s=t, usage=t / 10, hit_rate=0.5, num_running=4, num_waiting=10 - t, num_completed=t,
+               num_preemptions=t // 3, real_tokens=100, paged_slots=112, own_max_slots=150, contiguous_slots=2048,
+               num_prefix_hit_tokens=500 * t, num_prefilled_tokens=400 * t)
+        for t in range(10)
+    ]  # fmt: skip
+    figure = build_figure(samples, "title")
+    renderer = figure.canvas.get_renderer()
+    figure.canvas.draw()
+    for axes in figure.axes:
+        legend = axes.get_legend()
+        assert legend is not None and legend.get_texts(), axes.get_ylabel()
+        assert not legend.get_window_extent(renderer).overlaps(axes.get_window_extent(renderer)), axes.get_ylabel()
+    matplotlib.pyplot.close(figure)
