@@ -32,7 +32,7 @@ def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", default="small",
         help=f"a built-in model ({', '.join(BUILTIN_MODELS)}: seeded random weights) or a directory with "
-        "config.json and *.safetensors in the Llama layout (default %(default)s)",
+        "config.json and *.safetensors of a Llama, Mistral, Qwen2 or Qwen3 checkpoint (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"],

@@ -34,7 +34,10 @@ class DeviceMemoryError(ValueError):
 
 
 def weight_bytes(config: ModelConfig, element_size: int) -> int:
-    """Bytes of the decoder's weights, `element_size` bytes per element; a tied lm_head is the embedding."""
+    """Bytes of the decoder's weights, `element_size` bytes per element, the config's biases and q/k norms included.
+
+    A tied lm_head is the embedding.
+    """
     per_layer = sum(math.prod(shape) for shape in layer_shapes(config).values())
     vocab = config.vocab_size * config.hidden_size
     lm_head = 0 if config.tie_word_embeddings else vocab

@@ -4,6 +4,12 @@ The same layers run two ways: over the paged KV cache (the worker's runner
 stores K/V and runs paged attention) and densely over one whole sequence
 (`dense_attention`, the reference with no cache at all). Nothing here
 touches the network or the block tables.
+
+The architectures it runs differ from the Llama block only in what the
+config declares: optional biases on the projections (`LayerWeights` holds
+None where there is none), an optional RMSNorm of each query and key head
+before RoPE (Qwen3), a window per layer, and the RoPE frequency rule
+(`gpu_worker.rope`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.rope import RotaryEmbedding, apply_rope
 from gpu_worker.weights import Weights
 
 
@@ -32,29 +39,41 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Weights) -> None:
         self.config = config
         self.weights = weights
-        device = weights.embed_tokens.device
-        half = config.head_dim // 2
-        exponents = torch.arange(0, half, dtype=torch.float64, device=device) / half
-        self.inv_freq = (1.0 / config.rope_theta**exponents).to(torch.float32)
+        self.rotary = RotaryEmbedding(config, weights.embed_tokens.device)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """Final hidden states `[num_tokens, hidden]` of the tokens `token_ids` at `positions`."""
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: Attention,
+        sequence_ends: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states `[num_tokens, hidden]` of the tokens `token_ids` at `positions`.
+
+        `sequence_ends[t]` is the length of token t's sequence with this
+        batch's tokens in (its request's last position + 1); it is read, and
+        needed, only when `self.rotary.needs_sequence_ends` (dynamic RoPE).
+        """
         config = self.config
+        eps = config.rms_norm_eps
         hidden = self.weights.embed_tokens[token_ids]
-        cos, sin = self._rope(positions)
+        cos, sin = self.rotary.cos_sin(positions, sequence_ends)
         num_tokens = token_ids.shape[0]
         for index, layer in enumerate(self.weights.layers):
-            x = _rms_norm(hidden, layer.input_norm, config.rms_norm_eps)
-            query = (x @ layer.q_proj.T).view(num_tokens, config.num_heads, config.head_dim)
-            key = (x @ layer.k_proj.T).view(num_tokens, config.num_kv_heads, config.head_dim)
-            value = (x @ layer.v_proj.T).view(num_tokens, config.num_kv_heads, config.head_dim)
-            query, key = _apply_rope(query, cos, sin), _apply_rope(key, cos, sin)
+            x = _rms_norm(hidden, layer.input_norm, eps)
+            query = F.linear(x, layer.q_proj, layer.q_bias).view(num_tokens, config.num_heads, config.head_dim)
+            key = F.linear(x, layer.k_proj, layer.k_bias).view(num_tokens, config.num_kv_heads, config.head_dim)
+            value = F.linear(x, layer.v_proj, layer.v_bias).view(num_tokens, config.num_kv_heads, config.head_dim)
+            if layer.q_norm is not None:
+                query, key = _rms_norm(query, layer.q_norm, eps), _rms_norm(key, layer.k_norm, eps)
+            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
             attended = attention(index, query, key, value)
-            hidden = hidden + attended.reshape(num_tokens, -1) @ layer.o_proj.T
-            x = _rms_norm(hidden, layer.post_attention_norm, config.rms_norm_eps)
-            hidden = hidden + (F.silu(x @ layer.gate_proj.T) * (x @ layer.up_proj.T)) @ layer.down_proj.T
-        return _rms_norm(hidden, self.weights.norm, config.rms_norm_eps)
+            hidden = hidden + F.linear(attended.reshape(num_tokens, -1), layer.o_proj, layer.o_bias)
+            x = _rms_norm(hidden, layer.post_attention_norm, eps)
+            gate, up = F.linear(x, layer.gate_proj, layer.gate_bias), F.linear(x, layer.up_proj, layer.up_bias)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj, layer.down_bias)
+        return _rms_norm(hidden, self.weights.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[num_tokens, vocab]` of final hidden states."""
@@ -62,16 +81,14 @@ class LlamaModel:
 
     def dense_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last token of one sequence, recomputed from scratch: no cache at all."""
-        positions = torch.arange(token_ids.shape[0], device=token_ids.device)
-        hidden = self.forward(token_ids, positions, self._dense_attention)
+        num_tokens = token_ids.shape[0]
+        positions = torch.arange(num_tokens, device=token_ids.device)
+        sequence_ends = torch.full((num_tokens,), num_tokens, device=token_ids.device)
+        hidden = self.forward(token_ids, positions, self._dense_attention, sequence_ends)
         return self.logits(hidden[-1:])[0]
 
     def _dense_attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return dense_attention(query, key, value, self.config.window_of(layer))
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return angles.cos(), angles.sin()
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sliding_window: int) -> torch.Tensor:
@@ -93,14 +110,6 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, in fp32 math, scaled by `weight` in `x`'s dtype (transformers' order)."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the two halves of each head by the token's angles (the Llama convention)."""
-    x32 = x.float()
-    half = x.shape[-1] // 2
-    first, second = x32[..., :half], x32[..., half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)

@@ -1,22 +1,65 @@
-"""The decoder's shape: a Llama-architecture config, built in or read from `config.json`."""
+"""The decoder's shape and options: built in, or read from a checkpoint's `config.json` (`gpu_worker.hf_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's inverse frequencies derive from `rope_theta` (transformers' rope types; math in `gpu_worker.rope`).
+
+    linear   every frequency divided by `factor` (positions divided by it).
+    dynamic  NTK: the base grows with the sequence's length L once L exceeds
+             `original_max_position_embeddings` (transformers reads its
+             `max_position_embeddings` there), recomputed at every step.
+    llama3   frequencies whose wavelength exceeds original / low_freq_factor
+             divided by `factor`, those under original / high_freq_factor
+             kept, the band between smoothly interpolated.
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int = 0  # dynamic and llama3 only
+    low_freq_factor: float = 0.0  # llama3 only
+    high_freq_factor: float = 0.0  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ValueError(
+                f"RoPE scaling rope_type {self.rope_type!r} is not supported; "
+                f"this worker runs {', '.join(ROPE_SCALING_TYPES)}"
+            )
+        if not self.factor >= 1:
+            raise ValueError(f"RoPE scaling factor must be >= 1, got {self.factor!r}")
+        if self.rope_type != "linear" and self.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"RoPE scaling {self.rope_type!r} needs a positive original_max_position_embeddings, "
+                f"got {self.original_max_position_embeddings!r}"
+            )
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                "RoPE scaling 'llama3' needs 0 < low_freq_factor < high_freq_factor, "
+                f"got {self.low_freq_factor!r} and {self.high_freq_factor!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+    """A Llama decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) and its declared variations.
 
     `layer_types[i]` is FULL_ATTENTION or SLIDING_ATTENTION; sliding layers
     attend to the `sliding_window` most recent positions, their own included.
+    `qkv_bias`, `o_proj_bias` and `mlp_bias` add a bias to those projections;
+    `qk_norm` RMS-normalises each query and key head (weights `[head_dim]`)
+    before RoPE.
     """
 
     name: str
@@ -29,14 +72,19 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model config {field} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -44,7 +92,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"model config head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+        if self.dynamic_rope and self.head_dim < 4:
+            raise ValueError(f"model config head_dim must be at least 4 for dynamic RoPE, got {self.head_dim}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError("model config rms_norm_eps and rope_theta must be positive")
         if not self.layer_types:
             kind = SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION
@@ -62,38 +112,51 @@ class ModelConfig:
         if SLIDING_ATTENTION in self.layer_types and self.sliding_window < 1:
             raise ValueError("model config has sliding_attention layers but no positive sliding_window")
 
+    @property
+    def dynamic_rope(self) -> bool:
+        """Whether a token's RoPE angles depend on its sequence's length at the step that computes it."""
+        return self.rope_scaling is not None and self.rope_scaling.rope_type == "dynamic"
+
     def window_of(self, layer: int) -> int:
         """Positions layer `layer` attends to; 0 means all of them."""
         return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else 0
 
     @classmethod
-    def from_hf_dict(cls, name: str, raw: dict[str, Any]) -> "ModelConfig":
-        """A config from the fields of a Llama-style `config.json`."""
-        try:
-            num_heads = raw["num_attention_heads"]
-            hidden_size = raw["hidden_size"]
-            return cls(
-                name=name,
-                vocab_size=raw["vocab_size"],
-                hidden_size=hidden_size,
-                intermediate_size=raw["intermediate_size"],
-                num_layers=raw["num_hidden_layers"],
-                num_heads=num_heads,
-                num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-                head_dim=raw.get("head_dim") or hidden_size // num_heads,
-                rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-                rope_theta=raw.get("rope_theta", 10000.0),
-                sliding_window=raw.get("sliding_window") or 0,
-                layer_types=tuple(raw.get("layer_types") or ()),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            )
-        except KeyError as missing:
-            raise ValueError(f"model config.json lacks the field {missing.args[0]!r}") from None
+    def from_hf_dict(cls, name: str, raw: Mapping[str, Any]) -> "ModelConfig":
+        """The config a checkpoint's `config.json` describes; ValueError naming the first field it cannot run."""
+        from gpu_worker.hf_config import read_hf_config  # here, not at the top: hf_config builds ModelConfig
+
+        return read_hf_config(name, raw)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` fields `from_hf_dict` reads."""
-        return {
-            "architectures": ["LlamaForCausalLM"],
+        """A `config.json` that `from_hf_dict` reads back as this config.
+
+        LlamaForCausalLM's layout, unless a layer slides: then the worker's own
+        layout (no `architectures`), since no transformers architecture mixes
+        Llama's block with per-layer windows.
+        """
+        if self.qk_norm or self.qkv_bias != self.o_proj_bias:
+            raise ValueError(
+                f"model {self.name!r}: to_hf_dict writes Llama-layout configs, without q/k norms or q/k/v-only biases"
+            )
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        raw: dict[str, Any] = {}
+        scaling = self.rope_scaling
+        if scaling is not None:
+            rope |= {"rope_type": scaling.rope_type, "factor": scaling.factor}
+            if scaling.rope_type == "llama3":
+                rope |= {
+                    "original_max_position_embeddings": scaling.original_max_position_embeddings,
+                    "low_freq_factor": scaling.low_freq_factor,
+                    "high_freq_factor": scaling.high_freq_factor,
+                }
+            if scaling.rope_type == "dynamic":
+                raw["max_position_embeddings"] = scaling.original_max_position_embeddings
+        if SLIDING_ATTENTION in self.layer_types:
+            raw |= {"sliding_window": self.sliding_window, "layer_types": list(self.layer_types)}
+        else:
+            raw |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+        return raw | {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -101,10 +164,11 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
+            "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "sliding_window": self.sliding_window or None,
-            "layer_types": list(self.layer_types),
+            "rope_parameters": rope,
+            "attention_bias": self.qkv_bias,
+            "mlp_bias": self.mlp_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
 
@@ -144,4 +208,9 @@ def resolve_model(spec: str) -> tuple[ModelConfig, Path | None]:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"--model {spec!r}: {config_path} is not valid JSON: {error}") from None
-    return ModelConfig.from_hf_dict(path.name, raw), path
+    if not isinstance(raw, dict):
+        raise ValueError(f"--model {spec!r}: {config_path} holds a JSON {type(raw).__name__}, not an object")
+    try:
+        return ModelConfig.from_hf_dict(path.name, raw), path
+    except ValueError as error:
+        raise ValueError(f"--model {spec!r}: {error}") from None

@@ -191,7 +191,10 @@ class ModelRunner:
                 query, cache, block_tables[group], starts, lengths, self.scale, self.pool.groups[group].sliding_window
             )
 
-        hidden = self.model.forward(tokens, positions, paged_attention)
+        sequence_ends = None
+        if self.model.rotary.needs_sequence_ends:  # dynamic RoPE: every token at its request's length this step
+            sequence_ends = lengths.repeat_interleave(starts.diff(), output_size=len(token_ids))
+        hidden = self.model.forward(tokens, positions, paged_attention, sequence_ends)
         logits = self.model.logits(hidden.index_select(0, starts[1:] - 1))
         chosen, logprobs = sample(logits, None if staged_sampling is None else staged_sampling.on_device())
         # The step's one device-to-host copy; token ids are exact in float64.

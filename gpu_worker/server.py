@@ -96,6 +96,20 @@ def pool_shape(config: manager_pb.GetConfigResponse) -> PoolShape:
     return PoolShape(config.num_blocks, tuple(groups), config.max_model_len, config.max_num_requests)
 
 
+def check_prefix_caching(model_config: ModelConfig, enable_prefix_caching: bool) -> None:
+    """Refuses dynamic RoPE scaling against a manager that reuses cached prefixes.
+
+    Dynamic scaling rotates a token's key by its sequence's length at the step
+    that computed it, so a block cached by one request holds keys another
+    request, at another length, would have rotated differently.
+    """
+    if model_config.dynamic_rope and enable_prefix_caching:
+        raise ValueError(
+            f"model {model_config.name!r} uses dynamic RoPE scaling, whose cached keys depend on the sequence length "
+            "they were computed at, and the manager reuses cached prefixes: start the manager with --no-prefix-caching"
+        )
+
+
 def warm_up_kernels(model_config: ModelConfig, pool: PoolShape, dtype: torch.dtype, device: torch.device) -> None:
     """Compile every Triton kernel variant the worker can launch (or load it from TRITON_CACHE_DIR), before serving."""
     # Imported here, not at the top: importing the kernel modules fixes Triton's reading of
@@ -158,9 +172,11 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
             "start it first, or wait longer with --manager-timeout-s"
         ) from None
     try:
-        pool = pool_shape(manager.get_config())
+        manager_config = manager.get_config()
     except grpc.RpcError as error:  # a refused token, most likely
         raise ConnectionError(f"the manager at {options.manager} refused GetConfig: {error.code().name}: {error.details()}") from None
+    pool = pool_shape(manager_config)
+    check_prefix_caching(model_config, manager_config.enable_prefix_caching)
 
     kernel_set = kernels.load(options.backend, device.type)
     dtype = options.torch_dtype

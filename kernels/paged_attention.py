@@ -29,7 +29,7 @@ specialisation of its other arguments (an int equal to 1 or divisible by 16 beco
 compile-time fact). Sizes that change from step to step (`num_reqs`, `num_kv_splits`, the block
 table's row stride) are therefore `do_not_specialize`: a new batch shape never compiles.
 
-It stays one module past 450 lines: the two kernels, the config, the launch list, the launcher
+It stays one module past 700 lines: the two kernels, the config, the launch list, the launcher
 and the reference share the tile and split parameters and the position rules above, and are read
 together. A second attention kernel would be the point to move config and launch planning out.
 """
@@ -530,8 +530,191 @@ def paged_attention(
     return out
 
 
-# Query rows per step of the reference: bounds its [heads, rows, keys] score matrix.
-_REFERENCE_QUERY_CHUNK = 256
+# The reference cuts each request's query tokens into segments and attends segments of similar
+# shape together, padded to one shape (a group): one gather each of the group's K and V blocks,
+# one masked softmax, whatever the number of requests. Sizes count the fp32 elements of a group's
+# workspace: gathered K/V ([2, segments, keys, kv_heads, head_dim]), scores and probabilities
+# (each [kv_heads, segments, queries * q_heads / kv_heads, keys]).
+#
+# A group holds at most _REFERENCE_MAX_ELEMENTS (8 MiB, so that its passes stay in cache). One
+# segment alone may hold more: its keys are never split, and it keeps at least enough queries
+# that its scores outnumber its K/V (so re-gathering a long request's keys for each segment costs
+# no more than attending them). A long prompt's segment thus holds about 3x the K/V of its
+# request, never num_tokens x keys.
+_REFERENCE_MAX_ELEMENTS = 1 << 21
+# Padding to a group's most queries and blocks adds at most 25% to its segments' own elements,
+# plus a slack worth about the fixed cost of one more group's tensor operations.
+_REFERENCE_MAX_PADDING = 1.25
+_REFERENCE_PADDING_SLACK = 1 << 18
+
+
+class _Segment(NamedTuple):
+    """Query tokens `token .. token + num_queries - 1` of request `req`, the first at position `first_pos`.
+
+    They see keys in `[kv_begin, kv_end)` (`kv_end`: one past the last token's position), held
+    by the block table columns `first_block .. first_block + num_blocks - 1`.
+    """
+
+    req: int
+    token: int
+    num_queries: int
+    first_pos: int
+    kv_begin: int
+    kv_end: int
+    first_block: int
+    num_blocks: int
+
+
+class _Shape(NamedTuple):
+    """The sizes that price a workspace."""
+
+    block_size: int
+    num_q_heads: int
+    kv_row_elements: int  # 2 * num_kv_heads * head_dim: one key position's K and V
+
+    def elements(self, num_segments: int, num_queries: int, num_blocks: int) -> int:
+        """Workspace elements of `num_segments` segments padded to these query and block counts."""
+        scores = num_queries * self.num_q_heads
+        return num_segments * num_blocks * self.block_size * (2 * scores + self.kv_row_elements)
+
+
+def _plan_segments(starts: list[int], lens: list[int], num_tokens: int, table_width: int, sliding_window: int,
+                   shape: _Shape) -> list[_Segment]:
+    """Every request's query tokens as segments sized to the element cap; ValueError on bad lengths."""
+    block_size = shape.block_size
+    min_queries = -(-shape.kv_row_elements // shape.num_q_heads)
+    segments = []
+    for r, seq_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        q_len = q_end - q_start
+        if q_len < 0 or q_len > seq_len or q_end > num_tokens:
+            raise ValueError(
+                f"request {r}: query_start_loc gives {q_len} tokens at {q_start}, seq_lens {seq_len}, "
+                f"query has {num_tokens} tokens"
+            )
+        if seq_len > table_width * block_size:
+            raise ValueError(f"request {r}: seq_lens {seq_len} exceeds its block_table row")
+        if q_len == 0:
+            continue
+        context_len = seq_len - q_len
+        # Sized by the request's whole key range, which holds every one of its segments' ranges.
+        kv_begin = max(0, context_len - sliding_window + 1) if sliding_window else 0
+        range_blocks = -(-seq_len // block_size) - kv_begin // block_size
+        per_query = shape.elements(1, 1, range_blocks) - shape.elements(1, 0, range_blocks)
+        step = max(min_queries, (_REFERENCE_MAX_ELEMENTS - shape.elements(1, 0, range_blocks)) // per_query)
+        for first in range(0, q_len, step):
+            num_queries = min(step, q_len - first)
+            first_pos = context_len + first
+            kv_end = first_pos + num_queries
+            kv_begin = max(0, first_pos - sliding_window + 1) if sliding_window else 0
+            first_block = kv_begin // block_size
+            segments.append(_Segment(r, q_start + first, num_queries, first_pos, kv_begin, kv_end, first_block,
+                                     -(-kv_end // block_size) - first_block))
+    return segments
+
+
+def _plan_groups(segments: list[_Segment], shape: _Shape) -> list[list[_Segment]]:
+    """The segments in groups within the element cap and the padding bound (a lone segment always fits).
+
+    Sorted by query count, then key blocks: a decode batch groups by context length, apart
+    from the segments of prefills.
+    """
+    groups: list[list[_Segment]] = []
+    group: list[_Segment] = []
+    own = max_queries = max_blocks = 0
+    for segment in sorted(segments, key=lambda s: (s.num_queries, s.num_blocks)):
+        cost = shape.elements(1, segment.num_queries, segment.num_blocks)
+        queries, blocks = max(max_queries, segment.num_queries), max(max_blocks, segment.num_blocks)
+        padded = shape.elements(len(group) + 1, queries, blocks)
+        too_padded = padded > _REFERENCE_MAX_PADDING * (own + cost) + _REFERENCE_PADDING_SLACK
+        if group and (padded > _REFERENCE_MAX_ELEMENTS or too_padded):
+            groups.append(group)
+            group, own, queries, blocks = [], 0, segment.num_queries, segment.num_blocks
+        group.append(segment)
+        own, max_queries, max_blocks = own + cost, queries, blocks
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _attend_group(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    group: list[_Segment],
+    scale: float,
+    sliding_window: int,
+) -> None:
+    """Writes into `out` the rows of the group's query tokens: their attention, computed in fp32.
+
+    Segments are padded to the group's most queries and blocks. One indexed read each gathers
+    the group's K and V blocks: a segment's padding columns repeat its first block, so no table
+    entry past its range is read. Gathered values of positions outside `[kv_begin, kv_end)` (the
+    padding, the tail of the last block, positions before a window) are zeroed and their scores
+    masked, so whatever the cache holds there (NaN included) never reaches the output.
+    """
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    queries_per_kv = num_q_heads // num_kv_heads
+    device = query.device
+    num_segments = len(group)
+    max_queries = max(s.num_queries for s in group)
+    max_blocks = max(s.num_blocks for s in group)
+    num_keys = max_blocks * block_size
+    num_rows = max_queries * queries_per_kv  # row m of a segment's scores: query m // G, head m % G
+    req, token, num_queries, first_pos, kv_begin, kv_end, first_block, num_blocks = (
+        torch.tensor(group, dtype=torch.int64).to(device).t()[:, :, None]  # each [segments, 1]
+    )
+
+    column = torch.arange(max_blocks, device=device)
+    column = first_block + torch.where(column < num_blocks, column, 0)
+    block_ids = block_table[req, column].view(-1).long()
+    # One allocation holds the group's large tensors. Fresh ones each layer would have the host
+    # allocator map new pages and fault them in, step after step: on a CPU that measured about
+    # as much as the attention itself.
+    num_kv = 2 * num_segments * num_keys * num_kv_heads * head_dim
+    workspace = query.new_empty(num_kv + 2 * num_kv_heads * num_segments * num_rows * num_keys, dtype=torch.float32)
+    kv = workspace[:num_kv].view(2, num_segments * max_blocks, block_size, num_kv_heads, head_dim)
+    scores, probs = workspace[num_kv:].view(2, num_kv_heads, num_segments, num_rows, num_keys)
+    for i in (0, 1):
+        if kv_cache.dtype == torch.float32:
+            torch.index_select(kv_cache[:, i], 0, block_ids, out=kv[i])
+        else:
+            kv[i].copy_(kv_cache[:, i].index_select(0, block_ids))
+    k, v = kv.view(2, num_segments, num_keys, num_kv_heads, head_dim)
+    k_pos = first_block * block_size + torch.arange(num_keys, device=device)  # [segments, keys]
+    outside = ((k_pos < kv_begin) | (k_pos >= kv_end)).view(-1).nonzero().squeeze(1)
+    # Their scores are masked below, but a probability of 0 times a NaN value is NaN.
+    v.view(num_segments * num_keys, num_kv_heads * head_dim).index_fill_(0, outside, 0.0)
+
+    row = torch.arange(max_queries, device=device)
+    is_query = row < num_queries  # [segments, max_queries]
+    token_ids = token + torch.where(is_query, row, 0)
+    q = query.index_select(0, token_ids.view(-1)).float()
+    q = q.view(num_segments, max_queries, num_kv_heads, queries_per_kv, head_dim).permute(2, 0, 1, 3, 4)
+    q = q.reshape(num_kv_heads, num_segments, num_rows, head_dim)
+    # One matmul per KV head over strided views of the gathered K/V, which no copy reorders.
+    for head in range(num_kv_heads):
+        torch.bmm(q[head], k[:, :, head].transpose(1, 2), out=scores[head])
+    scores.mul_(scale)
+    pos = first_pos + row  # [segments, max_queries]
+    visible = k_pos[:, None, :] <= pos[:, :, None]
+    if sliding_window:
+        visible &= k_pos[:, None, :] > pos[:, :, None] - sliding_window
+    # A real token sees its own position, so none of its rows is all -inf; padding rows are dropped.
+    scores.view(num_kv_heads, num_segments, max_queries, queries_per_kv, num_keys).masked_fill_(
+        ~visible[None, :, :, None, :], float("-inf")
+    )
+    torch.softmax(scores, dim=-1, out=probs)
+    o = q.new_empty((num_kv_heads, num_segments, num_rows, head_dim))
+    for head in range(num_kv_heads):
+        torch.bmm(probs[head], v[:, :, head], out=o[head])
+    o = o.view(num_kv_heads, num_segments, max_queries, queries_per_kv, head_dim).permute(1, 2, 0, 3, 4)
+    o = o.reshape(num_segments, max_queries, num_q_heads, head_dim)
+    if max_queries > 1 and not bool(is_query.all()):
+        token_ids, o = token_ids[is_query], o[is_query]
+    out.index_copy_(0, token_ids.view(-1), o.reshape(-1, num_q_heads, head_dim).to(out.dtype))
 
 
 def paged_attention_reference(
@@ -544,53 +727,20 @@ def paged_attention_reference(
     sliding_window: int | None = 0,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` in torch, fp32 math: per request, gathers the blocks its range needs.
+    """`paged_attention` in torch, fp32 math, the batch's requests attended together.
 
-    Reads the lengths on the host, so it also checks them (ValueError). `num_kv_splits`
-    changes nothing here (it is accepted so that both backends share one signature).
+    A decode batch costs a few tensor operations per group of similar context lengths, not per
+    request; memory stays bounded (`_REFERENCE_MAX_ELEMENTS`). Reads the lengths on the host, so
+    it also checks them (ValueError). `num_kv_splits` changes nothing here (it is accepted so that
+    both backends share one signature).
     """
     sliding_window = sliding_window or 0  # None, as a group config without a window says
     _check_args(query, kv_cache, block_table, query_start_loc, seq_lens, sliding_window, num_kv_splits)
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_q_heads // num_kv_heads
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    shape = _Shape(kv_cache.shape[2], query.shape[1], 2 * kv_cache.shape[3] * kv_cache.shape[4])
+    segments = _plan_segments(
+        query_start_loc.tolist(), seq_lens.tolist(), query.shape[0], block_table.shape[1], sliding_window, shape
+    )
     out = torch.empty_like(query)
-    for r, seq_len in enumerate(lens):
-        q_start, q_end = starts[r], starts[r + 1]
-        q_len = q_end - q_start
-        if q_len < 0 or q_len > seq_len or q_end > query.shape[0]:
-            raise ValueError(
-                f"request {r}: query_start_loc gives {q_len} tokens at {q_start}, seq_lens {seq_len}, "
-                f"query has {query.shape[0]} tokens"
-            )
-        if seq_len > block_table.shape[1] * block_size:
-            raise ValueError(f"request {r}: seq_lens {seq_len} exceeds its block_table row")
-        if q_len == 0:
-            continue
-        context_len = seq_len - q_len
-        kv_begin = max(0, context_len - sliding_window + 1) if sliding_window else 0
-        first_block = kv_begin // block_size
-        block_ids = block_table[r, first_block : -(-seq_len // block_size)].long()
-        kv = kv_cache[block_ids].transpose(0, 1).reshape(2, -1, num_kv_heads, head_dim)
-        kv = kv[:, kv_begin - first_block * block_size : seq_len - first_block * block_size].float()
-        k = kv[0].permute(1, 2, 0)  # [kv_heads, head_dim, keys]
-        v = kv[1].transpose(0, 1)  # [kv_heads, keys, head_dim]
-        k_pos = torch.arange(kv_begin, seq_len, device=query.device)
-        for c in range(q_start, q_end, _REFERENCE_QUERY_CHUNK):
-            rows = min(_REFERENCE_QUERY_CHUNK, q_end - c)
-            q = query[c : c + rows].float().reshape(rows, num_kv_heads, group, head_dim)
-            q = q.permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, head_dim)
-            scores = torch.bmm(q, k) * scale  # [kv_heads, rows * group, keys]
-            pos = context_len + (c - q_start) + torch.arange(rows, device=query.device)
-            visible = k_pos[None, :] <= pos[:, None]
-            if sliding_window:
-                visible &= k_pos[None, :] > pos[:, None] - sliding_window
-            visible = visible.repeat_interleave(group, dim=0)
-            scores.masked_fill_(~visible, float("-inf"))
-            o = torch.bmm(torch.softmax(scores, dim=-1), v)  # [kv_heads, rows * group, head_dim]
-            out[c : c + rows] = o.view(num_kv_heads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(
-                rows, num_q_heads, head_dim
-            ).to(query.dtype)
+    for group in _plan_groups(segments, shape):
+        _attend_group(out, query, kv_cache, block_table, group, scale, sliding_window)
     return out

@@ -44,6 +44,9 @@ HYBRID_MODELS = [
     ModelConfig("tied-swa", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4,
                 num_kv_heads=2, head_dim=12, sliding_window=24, tie_word_embeddings=True,
                 layer_types=(FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)),
+    ModelConfig("biased-swa", vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4,
+                num_kv_heads=2, head_dim=12, sliding_window=24, qkv_bias=True, o_proj_bias=True, mlp_bias=True,
+                qk_norm=True, layer_types=(FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)),
 ]  # fmt: skip
 
 
@@ -52,7 +55,7 @@ HYBRID_MODELS = [
 def test_the_budget_counts_what_the_worker_allocates(config: ModelConfig, dtype: torch.dtype) -> None:
     weights = random_weights(config, 0, dtype, torch.device("cpu"))
     runner = ModelRunner(LlamaModel(config, weights), HYBRID, kernels.load("torch", "cpu"), torch.device("cpu"), dtype)
-    tensors = {t.data_ptr(): t for layer in weights.layers for t in vars(layer).values()}
+    tensors = {t.data_ptr(): t for layer in weights.layers for t in vars(layer).values() if t is not None}
     tensors.update({t.data_ptr(): t for t in (weights.embed_tokens, weights.norm, weights.lm_head)})  # tied: one tensor
 
     budget = memory_budget(config, HYBRID, dtype, free_bytes=64 * GiB, total_bytes=80 * GiB)

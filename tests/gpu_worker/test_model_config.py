@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.model_config import BUILTIN_MODELS, ModelConfig
+from gpu_worker.model_config import BUILTIN_MODELS, ModelConfig, RopeScaling
 from gpu_worker.runner import CacheGroup, assign_layers
 from gpu_worker.sampling import SamplingParams, choose
 
@@ -29,6 +29,26 @@ def test_hf_round_trip_of_every_builtin():
 def test_bad_configs_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**BUILTIN_MODELS["tiny"].__dict__, **change})
+
+
+@pytest.mark.parametrize(
+    "scaling, message",
+    [
+        (dict(rope_type="yarn", factor=4.0), "rope_type 'yarn' is not supported; this worker runs linear, dynamic, llama3"),
+        (dict(rope_type="linear", factor=0.5), "factor must be >= 1, got 0.5"),
+        (dict(rope_type="dynamic", factor=2.0), "'dynamic' needs a positive original_max_position_embeddings, got 0"),
+        (dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=32, low_freq_factor=1.0,
+              high_freq_factor=1.0), "needs 0 < low_freq_factor < high_freq_factor, got 1.0 and 1.0"),
+    ],
+)  # fmt: skip
+def test_bad_rope_scalings_name_the_field(scaling, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RopeScaling(**scaling)
+
+
+def test_dynamic_rope_needs_room_for_its_exponent():
+    with pytest.raises(ValueError, match="head_dim must be at least 4 for dynamic RoPE, got 2"):
+        ModelConfig(**{**BUILTIN_MODELS["tiny"].__dict__, "head_dim": 2, "rope_scaling": RopeScaling("dynamic", 2.0, 16)})
 
 
 def test_layers_map_to_the_group_with_their_window():

@@ -1,4 +1,8 @@
-"""The checkpoint path: a small Llama-layout safetensors checkpoint, written here, loaded and run."""
+"""The checkpoint path: small safetensors checkpoints in the transformers layout, written here, loaded and run.
+
+Every tensor is placed or the load is refused naming it; `test_architectures.py` checks what the loaded
+decoder computes against transformers itself.
+"""
 
 from __future__ import annotations
 
@@ -10,43 +14,32 @@ from e2e_support import DenseOracle, start_stack, stop_stack
 from safetensors.torch import save_file
 
 from gpu_worker.model_config import ModelConfig, resolve_model
-from gpu_worker.weights import load_safetensors
+from gpu_worker.weights import checkpoint_shapes, load_safetensors
 
 CONFIG = ModelConfig("ckpt", vocab_size=320, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, rope_theta=50000.0)  # fmt: skip
 
 
 def checkpoint_tensors(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor of a Llama checkpoint, by its name in that layout, with bf16 storage as real checkpoints have."""
+    """Every tensor of a checkpoint of `config`, by its transformers name, with bf16 storage as real checkpoints have.
+
+    Older checkpoints' RoPE buffers (`rotary_emb.inv_freq`) are there too: the loader accepts them unread.
+    """
     g = torch.Generator().manual_seed(seed)
-    h, q, kv, i = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
-
-    def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=g) / shape[-1] ** 0.5).to(torch.bfloat16)
-
-    tensors = {"model.embed_tokens.weight": w(config.vocab_size, h) * 8, "model.norm.weight": 1 + w(h)}
+    tensors = {}
+    for name, shape in checkpoint_shapes(config).items():
+        drawn = (torch.randn(shape, generator=g) / shape[-1] ** 0.5).to(torch.bfloat16)
+        scale = {"model.embed_tokens.weight": 8, "lm_head.weight": 4}.get(name, 1)  # peaked logits: no near-ties
+        tensors[name] = 1 + drawn if name.endswith("norm.weight") else drawn * scale
     for layer in range(config.num_layers):
-        p = f"model.layers.{layer}."
-        tensors |= {
-            p + "input_layernorm.weight": 1 + w(h),
-            p + "self_attn.q_proj.weight": w(q, h),
-            p + "self_attn.k_proj.weight": w(kv, h),
-            p + "self_attn.v_proj.weight": w(kv, h),
-            p + "self_attn.o_proj.weight": w(h, q),
-            p + "post_attention_layernorm.weight": 1 + w(h),
-            p + "mlp.gate_proj.weight": w(i, h),
-            p + "mlp.up_proj.weight": w(i, h),
-            p + "mlp.down_proj.weight": w(h, i),
-            p + "self_attn.rotary_emb.inv_freq": torch.ones(config.head_dim // 2),  # unused: ignored
-        }
-    tensors["lm_head.weight"] = w(config.vocab_size, h) * 4
+        tensors[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(config.head_dim // 2)
     return tensors
 
 
-def write_checkpoint(directory, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """config.json and two shards, split by name."""
+def write_checkpoint(directory, config: ModelConfig, tensors: dict[str, torch.Tensor], raw: dict | None = None) -> None:
+    """config.json (`raw`, else `config.to_hf_dict()`) and two shards, split by name."""
     directory.mkdir(exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    (directory / "config.json").write_text(json.dumps(raw or config.to_hf_dict()))
     names = sorted(tensors)
     half = len(names) // 2
     save_file({n: tensors[n] for n in names[:half]}, str(directory / "model-00001-of-00002.safetensors"))
@@ -71,7 +64,7 @@ def test_every_tensor_lands_in_its_place(tmp_path):
 def test_tied_embeddings_need_no_lm_head(tmp_path):
     tied = ModelConfig(**{**CONFIG.__dict__, "tie_word_embeddings": True})
     tensors = checkpoint_tensors(tied, 2)
-    del tensors["lm_head.weight"]
+    assert "lm_head.weight" not in tensors
     write_checkpoint(tmp_path / "tied", tied, tensors)
     weights = load_safetensors(tmp_path / "tied", tied, torch.float32, torch.device("cpu"))
     assert weights.lm_head is weights.embed_tokens
@@ -96,11 +89,103 @@ def test_a_broken_checkpoint_is_refused_naming_the_tensor(tmp_path, damage, mess
         load_safetensors(tmp_path / "broken", CONFIG, torch.float32, torch.device("cpu"))
 
 
+# Qwen3's layout: q, k, v and o biases (attention_bias) and a q and k norm per head; 2 layers.
+QWEN3 = ModelConfig(**{**CONFIG.__dict__, "name": "qwen3", "qkv_bias": True, "o_proj_bias": True, "qk_norm": True,
+                       "rms_norm_eps": 1e-6})  # fmt: skip
+QWEN3_JSON = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 320, "hidden_size": 48,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rope_theta": 50000.0, "attention_bias": True, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_biases_and_head_norms_land_in_their_place(tmp_path):
+    tensors = checkpoint_tensors(QWEN3, 5)
+    write_checkpoint(tmp_path / "qwen3", QWEN3, tensors, QWEN3_JSON)
+    config, directory = resolve_model(str(tmp_path / "qwen3"))
+    assert config == ModelConfig(**{**QWEN3.__dict__, "name": "qwen3"})
+    layer = load_safetensors(directory, config, torch.float32, torch.device("cpu")).layers[1]
+    assert torch.equal(layer.k_bias, tensors["model.layers.1.self_attn.k_proj.bias"].float())
+    assert torch.equal(layer.o_bias, tensors["model.layers.1.self_attn.o_proj.bias"].float())
+    assert torch.equal(layer.q_norm, tensors["model.layers.1.self_attn.q_norm.weight"].float())
+    assert layer.gate_bias is None and layer.up_bias is None
+
+
+def test_mlp_biases_land_in_their_place(tmp_path):
+    config = ModelConfig(**{**CONFIG.__dict__, "mlp_bias": True})
+    tensors = checkpoint_tensors(config, 6)
+    write_checkpoint(tmp_path / "mlp", config, tensors)
+    layer = load_safetensors(tmp_path / "mlp", config, torch.float32, torch.device("cpu")).layers[0]
+    assert torch.equal(layer.down_bias, tensors["model.layers.0.mlp.down_proj.bias"].float())
+    assert layer.q_bias is None and layer.o_bias is None and layer.q_norm is None
+
+
+def tied(tensors: dict[str, torch.Tensor], head: torch.Tensor) -> None:
+    tensors["lm_head.weight"] = head
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda t: t.pop("model.layers.0.self_attn.k_proj.bias"), "tensor 'model.layers.0.self_attn.k_proj.bias' is missing"),
+        (lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"), "tensor 'model.layers.1.self_attn.k_norm.weight' is missing"),
+        (lambda t: t.__setitem__("model.layers.0.self_attn.q_norm.weight", torch.ones(8)),
+         "tensor 'model.layers.0.self_attn.q_norm.weight' has shape (8,), expected (16,)"),
+        (lambda t: t.__setitem__("model.layers.1.self_attn.v_proj.bias", torch.ones(64)),
+         "tensor 'model.layers.1.self_attn.v_proj.bias' has shape (64,), expected (32,)"),
+        (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.bias", torch.ones(96)),
+         "tensor 'model.layers.0.mlp.up_proj.bias' is not one the config uses"),
+        (lambda t: t.__setitem__("model.layers.0.mlp.experts.3.w1.weight", torch.ones(2, 2)),
+         "tensor 'model.layers.0.mlp.experts.3.w1.weight' is not one the config uses"),
+        (lambda t: t.__setitem__("model.layers.2.input_layernorm.weight", torch.ones(48)),
+         "tensor 'model.layers.2.input_layernorm.weight' is not one the config uses"),
+        (lambda t: tied(t, t["model.embed_tokens.weight"] + 1),
+         "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' while tie_word_embeddings is true"),
+    ],
+    ids=["missing-bias", "missing-norm", "norm-shape", "bias-shape", "mlp-bias-unasked", "unknown-module",
+         "layer-past-the-last", "tied-head-differs"],
+)  # fmt: skip
+def test_a_tensor_the_config_does_not_place_is_refused_by_name(tmp_path, damage, message):
+    config = ModelConfig(**{**QWEN3.__dict__, "tie_word_embeddings": True})
+    tensors = checkpoint_tensors(config, 7)
+    damage(tensors)
+    write_checkpoint(tmp_path / "broken", config, tensors, {**QWEN3_JSON, "tie_word_embeddings": True})
+    with pytest.raises(ValueError) as refused:
+        load_safetensors(tmp_path / "broken", config, torch.float32, torch.device("cpu"))
+    assert message in str(refused.value)
+
+
+def test_a_bias_the_config_does_not_ask_for_is_refused_and_its_count_given(tmp_path):
+    tensors = checkpoint_tensors(CONFIG, 8)  # Llama without attention_bias
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.q_proj.bias"] = torch.zeros(64)
+    write_checkpoint(tmp_path / "llama", CONFIG, tensors)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.q_proj.bias' \(and 1 more\) is not one"):
+        load_safetensors(tmp_path / "llama", CONFIG, torch.float32, torch.device("cpu"))
+
+
+def test_a_tied_checkpoint_may_store_its_head_equal_to_the_embedding(tmp_path):
+    config = ModelConfig(**{**CONFIG.__dict__, "tie_word_embeddings": True})
+    tensors = checkpoint_tensors(config, 9)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    write_checkpoint(tmp_path / "tied", config, tensors)
+    weights = load_safetensors(tmp_path / "tied", config, torch.float32, torch.device("cpu"))
+    assert weights.lm_head is weights.embed_tokens
+
+
+def test_a_tensor_in_two_files_is_refused_by_name(tmp_path):
+    tensors = checkpoint_tensors(CONFIG, 10)
+    write_checkpoint(tmp_path / "twice", CONFIG, tensors)
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(tmp_path / "twice" / "extra.safetensors"))
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' is in both"):
+        load_safetensors(tmp_path / "twice", CONFIG, torch.float32, torch.device("cpu"))
+
+
 def test_a_checkpoint_directory_must_have_config_and_weights(tmp_path):
     with pytest.raises(ValueError, match="config.json is missing"):
         resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10}))
-    with pytest.raises(ValueError, match="lacks the field 'num_attention_heads'"):
+    with pytest.raises(ValueError, match="lacks the field 'hidden_size'"):
         resolve_model(str(tmp_path))
     with pytest.raises(ValueError, match=r"no \*.safetensors file"):
         load_safetensors(tmp_path, CONFIG, torch.float32, torch.device("cpu"))

@@ -7,6 +7,7 @@ output. Block tables are shuffled. Without a GPU the kernel runs in Triton's int
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from devices import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 
 import kernels
+import kernels.paged_attention as pa
 from kernels.paged_attention import (
     PagedAttentionConfig,
     paged_attention,
@@ -172,25 +174,123 @@ def test_split_heuristic():
     assert paged_attention_config(8, 8, 32, 8, 128, 4096, 132, num_kv_splits=5).num_kv_splits == 5
 
 
-@pytest.mark.parametrize("sliding_window", [0, 6])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
-def test_reference_matches_sdpa(heads, sliding_window):
-    num_q_heads, num_kv_heads = heads
-    batch = Batch(MIXED, num_q_heads, num_kv_heads, 40, torch.float32, block_size=5, sliding_window=sliding_window)
-    out = paged_attention_reference(*batch.args())
+def sdpa_expected(batch: Batch) -> torch.Tensor:
+    """The batch's attention from its dense K/V, per request with SDPA, in fp32 (the oracle)."""
+    num_q_heads, num_kv_heads = batch.query.shape[1], batch.dense[0].shape[2]
     starts = batch.query_start_loc.tolist()
-    for r, (q_len, kv_len) in enumerate(MIXED):
+    expected = torch.zeros(batch.query.shape, device=DEVICE)
+    for r, (q_len, kv_len) in enumerate(batch.lens):
         if q_len == 0:
             continue
-        k, v = (x.to(DEVICE).transpose(0, 1).repeat_interleave(num_q_heads // num_kv_heads, 0) for x in batch.dense[r])
-        q = batch.query[starts[r] : starts[r + 1]].transpose(0, 1)
+        k, v = (x.to(DEVICE).float().transpose(0, 1).repeat_interleave(num_q_heads // num_kv_heads, 0)
+                for x in batch.dense[r])
+        q = batch.query[starts[r] : starts[r + 1]].float().transpose(0, 1)
         pos = torch.arange(kv_len - q_len, kv_len, device=DEVICE)[:, None]
         k_pos = torch.arange(kv_len, device=DEVICE)[None, :]
         visible = k_pos <= pos
+        if batch.sliding_window:
+            visible &= k_pos > pos - batch.sliding_window
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=batch.scale)
+        expected[starts[r] : starts[r + 1]] = attended.transpose(0, 1)
+    return expected
+
+
+@pytest.mark.parametrize("sliding_window", [0, 6])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+def test_reference_matches_sdpa(heads, sliding_window):
+    batch = Batch(MIXED, *heads, 40, torch.float32, block_size=5, sliding_window=sliding_window)
+    torch.testing.assert_close(paged_attention_reference(*batch.args()), sdpa_expected(batch), atol=1e-5, rtol=1e-5)
+
+
+# Decodes and prefills in one batch whose KV lengths differ up to 300-fold.
+SPREAD = [(1, 1), (1, 300), (7, 7), (1, 2), (40, 300), (1, 129), (3, 260), (1, 17)]
+
+
+@pytest.mark.parametrize("sliding_window", [0, 5, 24])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+def test_reference_batches_very_different_lengths(heads, sliding_window):
+    batch = Batch(SPREAD, *heads, 16, torch.float32, sliding_window=sliding_window)
+    torch.testing.assert_close(paged_attention_reference(*batch.args()), sdpa_expected(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 24])
+def test_reference_never_reads_unused_table_entries(sliding_window):
+    """Table entries past a request's last block, and before a window, name blocks no cache has."""
+    batch = Batch(SPREAD, 8, 2, 16, torch.float32, sliding_window=sliding_window)
+    missing = batch.kv_cache.shape[0] + 1000  # any read of it fails
+    for r, (q_len, kv_len) in enumerate(SPREAD):
+        batch.block_table[r, -(-kv_len // 16) :] = missing
         if sliding_window:
-            visible &= k_pos > pos - sliding_window
-        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=batch.scale).transpose(0, 1)
-        torch.testing.assert_close(out[starts[r] : starts[r + 1]], expected, atol=1e-5, rtol=1e-5)
+            batch.block_table[r, : max(0, kv_len - q_len - sliding_window + 1) // 16] = missing
+    torch.testing.assert_close(paged_attention_reference(*batch.args()), sdpa_expected(batch), atol=1e-5, rtol=1e-5)
+
+
+def reference_groups(batch: Batch) -> list[list]:
+    """The reference's plan for the batch: its groups of query segments."""
+    shape = pa._Shape(batch.kv_cache.shape[2], batch.query.shape[1],
+                      2 * batch.kv_cache.shape[3] * batch.kv_cache.shape[4])
+    segments = pa._plan_segments(batch.query_start_loc.tolist(), batch.seq_lens.tolist(), batch.query.shape[0],
+                                 batch.block_table.shape[1], batch.sliding_window, shape)
+    return pa._plan_groups(segments, shape)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 5, 24])
+@pytest.mark.parametrize(
+    "max_elements, max_padding",
+    [(1, 1.25), (1 << 13, 1.25), (1 << 40, 1e9)],
+    ids=["every-segment-alone", "several-groups", "one-padded-group"],
+)
+def test_reference_chunking_changes_nothing(monkeypatch, sliding_window, max_elements, max_padding):
+    """Forced plans give the oracle's output.
+
+    A cap so small that prefills split into segments of the fewest queries allowed and no two
+    segments share a group; a small cap; no cap and no padding bound (all in one group).
+    """
+    batch = Batch(SPREAD + MIXED, 8, 2, 16, torch.float32, sliding_window=sliding_window)
+    monkeypatch.setattr(pa, "_REFERENCE_MAX_ELEMENTS", max_elements)
+    monkeypatch.setattr(pa, "_REFERENCE_MAX_PADDING", max_padding)
+    monkeypatch.setattr(pa, "_REFERENCE_PADDING_SLACK", 0)
+    groups = reference_groups(batch)
+    if max_elements == 1:
+        min_queries = 2 * 2 * 16 // 8  # a segment's scores outnumber its K/V
+        assert all(len(group) == 1 for group in groups)
+        assert max(group[0].num_queries for group in groups) == min_queries
+    elif max_padding > 2:
+        assert len(groups) == 1
+    else:
+        assert 1 < len(groups) < sum(len(group) for group in groups)
+    torch.testing.assert_close(paged_attention_reference(*batch.args()), sdpa_expected(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_plan_bounds_a_long_prompt():
+    """A 16k-token prompt beside decodes, in Llama-3.2-1B's shape: no num_tokens x keys x heads scores.
+
+    Each group fits the cap, or is one segment with the fewest queries allowed, whose workspace
+    is then about 3x its request's K/V.
+    """
+    block_size, num_q_heads, kv_row_elements = 16, 32, 2 * 8 * 64
+    shape = pa._Shape(block_size, num_q_heads, kv_row_elements)
+    lens, q_lens = [16384, 300, 5000], [16384, 1, 1]
+    starts = [0, *itertools.accumulate(q_lens)]
+    segments = pa._plan_segments(starts, lens, starts[-1], 1024, 0, shape)
+    covered = sorted(token for s in segments for token in range(s.token, s.token + s.num_queries))
+    assert covered == list(range(starts[-1]))
+    min_queries = kv_row_elements // num_q_heads
+    for group in pa._plan_groups(segments, shape):
+        size = shape.elements(len(group), max(s.num_queries for s in group), max(s.num_blocks for s in group))
+        assert size <= pa._REFERENCE_MAX_ELEMENTS or (len(group) == 1 and group[0].num_queries <= min_queries)
+        assert size <= 3 * 16384 * kv_row_elements
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_reference_computes_in_fp32(dtype):
+    """Half-precision inputs give exactly the fp32 result on the same values, rounded once."""
+    batch = Batch(SPREAD, 8, 2, 16, dtype, sliding_window=24)
+    out = paged_attention_reference(*batch.args())
+    query, kv_cache, *rest = batch.args()
+    expected = paged_attention_reference(query.float(), kv_cache.float(), *rest)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected.to(dtype), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("attention", [paged_attention, paged_attention_reference])
