@@ -4,7 +4,8 @@ On a machine with a CUDA GPU and this repository installed with a CUDA build of 
 (constraints/cuda.txt), runs in order:
 
 1. `tests`: the end-to-end equality tests with the Triton backend on CUDA (every generated
-   token against the dense pass; tests/gpu_worker/test_end_to_end.py -k triton), then the
+   token against the dense pass; tests/gpu_worker/test_end_to_end.py -k triton), the same
+   against transformers on real checkpoints (test_hf_checkpoints.py -k triton), then the
    kernel tests (tests/kernels) and the worker's device-path tests (`-m gpu` of
    tests/gpu_worker/test_runner_gpu.py, test_sampling.py, test_staging.py) on the GPU;
 2. `kernels`: bench/kernels_gpu.py, decode paged attention's share of the HBM bandwidth;
@@ -143,6 +144,8 @@ def run_tests(out: Path, timeout_s: float) -> StepResult:
     tests; a skip counts as a failure."""
     suites = {
         "e2e": ["tests/gpu_worker/test_end_to_end.py", "-k", "triton"],
+        # Real checkpoints against transformers: a full-attention and a sliding-window model, Triton on CUDA.
+        "checkpoints": ["tests/gpu_worker/test_hf_checkpoints.py", "-k", "triton"],
         "kernels": ["tests/kernels"],
         # The worker's device path: one staging transfer per step, sampling on the device, host-side copy checks.
         "worker": ["-m", "gpu", "tests/gpu_worker/test_runner_gpu.py", "tests/gpu_worker/test_sampling.py",
