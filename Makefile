@@ -20,7 +20,9 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 $(BIN)/.installed: pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-deps $(CONSTRAINTS) --index-url $(TORCH_INDEX) torch
+	$(BIN)/pip install --quiet --no-deps $(CONSTRAINTS) --index-url $(TORCH_INDEX) torch || { \
+		echo "make: no torch build that $(CONSTRAINTS) allows was found at $(TORCH_INDEX) or in pip's own" \
+			"configuration; set TORCH_INDEX to an index that has it (see the README)" >&2; exit 1; }
 	$(BIN)/pip install --quiet $(CONSTRAINTS) -e '.[worker,demo,test,bench]'
 	touch $@
 
