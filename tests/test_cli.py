@@ -82,3 +82,15 @@ def test_invalid_config_files_are_refused_with_the_field(tmp_path, content, mess
     path.write_text(json.dumps(content))
     with pytest.raises(ValueError, match=message):
         build_config(parse("--config", str(path)))
+
+
+def test_serve_refuses_a_host_tier_it_cannot_serve_yet(tmp_path):
+    """The tier's copies have no way to the workers yet: a server with one would lose them silently."""
+    config = tmp_path / "pool.json"
+    config.write_text('{"num_blocks": 64, "num_host_blocks": 128}')
+    done = run_cli("serve", "--port", "0", "--config", str(config))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "kv-manager: error: config num_host_blocks = 128: the host-memory tier runs in the core and in "
+        "`kv-manager replay` only; the server does not yet send its copies to workers, so it refuses it"
+    )

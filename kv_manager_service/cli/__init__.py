@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from kv_manager_service.rpc.arg_types import fraction, positive_int
+from kv_manager_service.rpc.arg_types import fraction, non_negative_int, positive_int
 from kv_manager_service.rpc.ports import PortUnavailableError
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES
 from kv_manager_service.core import GroupKind, GroupSpec, HashAlgorithm, KVCacheConfig, KVCacheManager
@@ -154,6 +154,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--token-budget", type=positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
     replay.add_argument("--max-running", type=positive_int, default=256, help="requests running at once (default %(default)s)")
+    replay.add_argument(
+        "--num-host-blocks", type=non_negative_int, default=0,
+        help="blocks of a host-memory tier behind the pool (write-back on eviction); 0 means none "
+        "(default %(default)s)",
+    )  # fmt: skip
     add_pool_flags(replay, default_num_blocks=100_000)
 
     serve = commands.add_parser(
@@ -287,6 +292,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     config = build_config(args)
+    if config.num_host_blocks:
+        raise ValueError(
+            f"config num_host_blocks = {config.num_host_blocks}: the host-memory tier runs in the core and in "
+            "`kv-manager replay` only; the server does not yet send its copies to workers, so it refuses it"
+        )
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -323,7 +333,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, replay
     from kv_manager_service.workload import TokenExpander, load_trace
 
-    config = build_config(args)
+    config = build_config(args, num_host_blocks=args.num_host_blocks) if args.num_host_blocks else build_config(args)
     if not args.trace.exists():
         raise ValueError(f"trace file {args.trace} not found; pass --trace PATH")
     records = load_trace(args.trace, limit=args.requests)
@@ -334,7 +344,8 @@ def run_replay(args: argparse.Namespace) -> int:
     print(
         f"Replaying {len(records)} requests of {args.trace.name} (scale {args.scale}) through a pool of "
         f"{config.num_blocks} blocks x {block_size} tokens, prefix caching "
-        f"{'on' if config.enable_prefix_caching else 'off'}",
+        f"{'on' if config.enable_prefix_caching else 'off'}"
+        + (f", host tier of {config.num_host_blocks} blocks" if config.num_host_blocks else ""),
         file=sys.stderr,
     )
 
@@ -357,6 +368,19 @@ def run_replay(args: argparse.Namespace) -> int:
         ("peak KV usage", f"{result.peak_usage:.1%}"),
         ("preemptions", f"{result.num_preemptions}"),
         ("evictions", f"{manager.stats().num_evictions:,}"),
+    ]
+    if config.num_host_blocks:
+        generated = max(result.num_output_tokens, 1)
+        offloaded, onloaded = result.num_offloaded_blocks, result.num_onloaded_blocks
+        rows += [
+            ("device hit rate (tokens)", f"{result.device_hit_rate:.1%}"),
+            ("host hit rate (tokens)", f"{result.host_hit_rate:.1%}"),
+            ("offloaded blocks", f"{offloaded:,} ({offloaded / generated:.2f} per output token)"),
+            ("onloaded blocks", f"{onloaded:,} ({onloaded / generated:.2f} per output token)"),
+            ("host evictions", f"{result.num_host_evictions:,}"),
+            ("offloads dropped (host pinned)", f"{result.num_dropped_offloads:,}"),
+        ]
+    rows += [
         ("wall time", f"{result.wall_s:.2f} s"),
         ("requests per second", f"{result.requests_per_s:,.1f}"),
     ]

@@ -16,6 +16,9 @@ is retried in the next step, once the victim's blocks are freed (not within
 the same step); a refused admission waits while later ones may still be
 admitted. Finished requests are freed with the next step.
 
+With a host tier (`num_host_blocks` > 0 in the manager's config) the result
+also splits the hits by tier and counts the tier's copies, in blocks.
+
 Arrival times are ignored: every record is waiting from the start, in trace
 order (an offline replay); the records are expanded into tokens as the
 scheduler's queue needs them. The loop does no I/O; it reports through the
@@ -75,6 +78,24 @@ class ReplayResult:
     peak_usage: float
     wall_s: float
     requests_per_s: float
+    # The host tier's share, all 0 without one: hit tokens loaded from the host (within
+    # `prefix_cache_hits`), and the tier's copies and host evictions, in blocks.
+    prefix_cache_host_hits: int = 0
+    num_offloaded_blocks: int = 0
+    num_onloaded_blocks: int = 0
+    num_host_evictions: int = 0
+    num_dropped_offloads: int = 0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Hit tokens found on the device, over the tokens looked up."""
+        hits = self.prefix_cache_hits - self.prefix_cache_host_hits
+        return hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Hit tokens loaded from the host tier, over the tokens looked up."""
+        return self.prefix_cache_host_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 def sampled_token_id(request_index: int, position: int, vocab_size: int) -> int:
@@ -116,6 +137,7 @@ def replay(
         InProcessManager(manager), worker, SchedulerConfig(config.token_budget, config.max_num_running)
     )
     stats_before = manager.stats()
+    tier_before = manager.host_tier_stats()
     num_added = num_steps = num_completed = num_prompt_tokens = num_output_tokens = 0
     peak_usage = stats_before.usage
     start_ns = time.perf_counter_ns()
@@ -154,6 +176,19 @@ def replay(
     stats = manager.stats()
     queries = stats.prefix_cache_queries - stats_before.prefix_cache_queries
     hits = stats.prefix_cache_hits - stats_before.prefix_cache_hits
+    tier = manager.host_tier_stats()
+    tier_counts = {}
+    if tier is not None:
+        tier_counts = {
+            name: getattr(tier, tier_name) - getattr(tier_before, tier_name)
+            for name, tier_name in (
+                ("prefix_cache_host_hits", "prefix_cache_host_hits"),
+                ("num_offloaded_blocks", "num_offloaded_blocks"),
+                ("num_onloaded_blocks", "num_onloaded_blocks"),
+                ("num_host_evictions", "num_host_evictions"),
+                ("num_dropped_offloads", "num_dropped_offloads"),
+            )
+        }
     return ReplayResult(
         num_requests=len(records),
         num_completed=num_completed,
@@ -167,4 +202,5 @@ def replay(
         peak_usage=peak_usage,
         wall_s=wall_s,
         requests_per_s=num_completed / wall_s if wall_s > 0 else 0.0,
+        **tier_counts,
     )

@@ -30,11 +30,14 @@ from kv_manager_service.core.ops import (
     FreeOp,
     FreeResult,
     GroupAllocation,
+    HostTierStats,
     PendingCopy,
+    PendingTierCopy,
     PrefixLookupKeys,
     Stats,
     StepDelta,
     StepResult,
+    TierCopy,
 )
 from kv_manager_service.core.state import CoreState, RequestSnapshot
 
@@ -61,6 +64,7 @@ __all__ = [
     "GroupKind",
     "GroupSpec",
     "HashAlgorithm",
+    "HostTierStats",
     "InvalidArgumentError",
     "KVCacheConfig",
     "KVCacheError",
@@ -70,6 +74,7 @@ __all__ = [
     "MMFeature",
     "OutOfRangeError",
     "PendingCopy",
+    "PendingTierCopy",
     "PrefixLookupKeys",
     "RequestExistsError",
     "RequestNotFoundError",
@@ -78,4 +83,5 @@ __all__ = [
     "Stats",
     "StepDelta",
     "StepResult",
+    "TierCopy",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kv_manager_service.core.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kv_manager_service.core.host_tier import HostTier
 
 
 class BlockPool:
@@ -43,6 +46,8 @@ class BlockPool:
         ]
         self.events: list[KVEvent] = []
         self.num_evictions = 0
+        # The host tier behind this pool, if any: an evicted cached block is offered to it.
+        self.host_tier: HostTier | None = None
 
     # -- queries ---------------------------------------------------------------
 
@@ -143,6 +148,9 @@ class BlockPool:
         cached = self.cached[group_id]
         entry = cached[block_hash]
         if isinstance(entry, KVCacheBlock):
+            # The hash leaves the device: write it back to the host tier (reads the hash, so first).
+            if self.host_tier is not None:
+                self.host_tier.offload(block)
             del cached[block_hash]
         else:
             del entry[block.block_id]

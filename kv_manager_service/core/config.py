@@ -57,6 +57,9 @@ class KVCacheConfig:
     `max_model_len` caps a request's tokens (lookahead included);
     `max_num_requests` caps live requests. `enable_events` makes the pool
     queue cache events for a consumer that drains them with `take_events()`.
+    `num_host_blocks` > 0 puts a host-memory tier of that many blocks behind
+    the pool (see `host_tier`); 0, the default, means none. Only full-attention
+    groups use the tier, so any other group kind is refused with it.
     """
 
     num_blocks: int
@@ -67,6 +70,7 @@ class KVCacheConfig:
     enable_events: bool = False
     max_model_len: int = 1 << 20
     max_num_requests: int = 1 << 16
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
@@ -82,6 +86,21 @@ class KVCacheConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_requests < 1:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
+        if not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an integer >= 0, got {self.num_host_blocks!r}")
+        if self.num_host_blocks:
+            others = [
+                f"groups[{i}] ({g.kind.value})" for i, g in enumerate(groups) if g.kind is not GroupKind.FULL_ATTENTION
+            ]
+            if others:
+                raise ValueError(
+                    f"num_host_blocks {self.num_host_blocks} needs full_attention groups only; "
+                    f"{', '.join(others)} cannot use the host tier"
+                )
+            if not self.enable_prefix_caching:
+                raise ValueError(
+                    f"num_host_blocks {self.num_host_blocks} needs enable_prefix_caching (the tier caches prefixes)"
+                )
 
     @property
     def hash_block_size(self) -> int:

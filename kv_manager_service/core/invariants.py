@@ -88,3 +88,69 @@ def check_invariants(manager: "KVCacheManager") -> None:
         1 if isinstance(entry, KVCacheBlock) else len(entry) for cached in pool.cached for entry in cached.values()
     )
     assert num_entries == num_hashed, f"cache map has {num_entries} entries for {num_hashed} hashed blocks"
+    if manager.host_tier is not None:
+        check_host_tier_invariants(manager)
+
+
+def check_host_tier_invariants(manager: "KVCacheManager") -> None:
+    """The host tier's invariants, and how it agrees with the device pool.
+
+    Conservation: every host block is either free (in the queue, ref_cnt 0)
+    or pinned, with ref_cnt == the pending tier copies naming it, so free +
+    pinned == num_host_blocks. The index is a bijection: each (group, hash)
+    names one host block that carries exactly that hash, and each hashed
+    host block is indexed. No hash pinned by a pending copy was evicted: the
+    pinned block still carries the hash it was pinned under (or none, after
+    a reset). Pending copies are in step order, none later than the last
+    step. A hash on both tiers names blocks of the same group that both carry it.
+    """
+    host_tier = manager.host_tier
+    pins = [0] * host_tier.num_blocks
+    last_step_id = 0
+    for step_id, host_block, block_hash, copy, is_onload in host_tier.pending:
+        assert last_step_id <= step_id <= manager.last_step_id, (
+            f"pending tier copy of step {step_id} after step {last_step_id} (last issued {manager.last_step_id})"
+        )
+        last_step_id = step_id
+        assert copy.host_block_id == host_block.block_id
+        assert 0 < copy.device_block_id < manager.pool.num_blocks, f"tier copy {copy} names no device block"
+        pins[host_block.block_id] += 1
+        assert host_block.block_hash in (block_hash, None), (
+            f"host block {host_block.block_id} pinned under one hash now carries another"
+        )
+    in_queue = set()
+    for block in host_tier.free_queue:
+        assert block.block_id not in in_queue, f"host block {block.block_id} is twice in the free queue"
+        in_queue.add(block.block_id)
+    assert len(in_queue) == host_tier.free_queue.num_free_blocks
+    num_pinned = 0
+    num_hashed = 0
+    for block in host_tier.blocks:
+        assert block.ref_cnt == pins[block.block_id], (
+            f"host block {block.block_id}: ref_cnt {block.ref_cnt} but {pins[block.block_id]} pending copies"
+        )
+        assert (block.ref_cnt == 0) == (block.block_id in in_queue), (
+            f"host block {block.block_id}: ref_cnt {block.ref_cnt}, in free queue: {block.block_id in in_queue}"
+        )
+        num_pinned += block.ref_cnt > 0
+        if block.block_hash is not None:
+            num_hashed += 1
+            assert host_tier.cached[block.group_id].get(block.block_hash) is block, (
+                f"hashed host block {block.block_id} is missing from the host index"
+            )
+    assert num_pinned + len(in_queue) == host_tier.num_blocks, (
+        f"host pinned {num_pinned} + free {len(in_queue)} != {host_tier.num_blocks}"
+    )
+    num_entries = sum(len(cached) for cached in host_tier.cached)
+    assert num_entries == num_hashed, f"host index has {num_entries} entries for {num_hashed} hashed host blocks"
+    for group_id, cached in enumerate(host_tier.cached):
+        device_cached = manager.pool.cached[group_id]
+        for block_hash, host_block in cached.items():
+            assert host_block.block_hash == block_hash and host_block.group_id == group_id
+            entry = device_cached.get(block_hash)
+            if entry is None:
+                continue
+            for device_block in (entry,) if isinstance(entry, KVCacheBlock) else entry.values():
+                assert device_block.block_hash == block_hash and device_block.group_id == group_id, (
+                    f"device block {device_block.block_id} and host block {host_block.block_id} disagree on a hash"
+                )

@@ -6,7 +6,7 @@ validated whole before anything changes, so an invalid op changes nothing.
 Each step returns its results and its `StepDelta`, the workers' input, built
 here where each change is made.
 
-The module is longer than most (about 500 lines) because a step's whole
+The module is longer than most (about 650 lines) because a step's whole
 application (admission, continuation with copy-on-write, free, fork, ack)
 shares the reference-count and retention bookkeeping that the invariants in
 `invariants.py` check together; split apart, each half would need the other's
@@ -29,6 +29,7 @@ from kv_manager_service.rpc.errors import (
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.groups import make_group_manager
 from kv_manager_service.core.groups.cross_attention import CrossAttentionManager
+from kv_manager_service.core.host_tier import HostBlock, HostTier
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, BlockHasher, HashExtras, LoraRef, MMFeature
 from kv_manager_service.core.ops import (
     AllocateOp,
@@ -43,9 +44,11 @@ from kv_manager_service.core.ops import (
     FreeOp,
     FreeResult,
     GroupAllocation,
+    HostTierStats,
     Op,
     OpResult,
     PendingCopy,
+    PendingTierCopy,
     PrefixLookupKeys,
     Stats,
     StepDelta,
@@ -65,6 +68,9 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.hash_block_size = config.hash_block_size
         self.pool = BlockPool(config.num_blocks, len(config.groups), self.enable_caching, config.enable_events)
+        # The host tier, or None: every tier path is behind this one test, so without it nothing changes.
+        self.host_tier = HostTier(config.num_host_blocks, len(config.groups)) if config.num_host_blocks else None
+        self.pool.host_tier = self.host_tier
         self.managers = [
             make_group_manager(group_id, spec, self.pool, self.hash_block_size)
             for group_id, spec in enumerate(config.groups)
@@ -145,11 +151,16 @@ class KVCacheManager:
         copies: list[BlockCopy] = []
         requests_freed: list[str] = []
         ok = AllocateStatus.OK
+        host_tier = self.host_tier
+        if host_tier is not None:
+            host_tier.step_id = step_id
         if max_new_blocks is not None:
             self._reserve = max(0, self.pool.get_num_free_blocks() - max(0, max_new_blocks))
         try:
             for op in ops:
                 if type(op) is AllocateOp:
+                    if host_tier is not None:
+                        num_offloads, num_onloads = len(host_tier.offloads), len(host_tier.onloads)
                     request_id = op.request_id
                     request = self.requests.get(request_id)
                     if request is None:
@@ -165,6 +176,8 @@ class KVCacheManager:
                                 )
                         if result.copies:
                             copies += result.copies
+                    if host_tier is not None:
+                        result = self._with_tier_copies(result, num_offloads, num_onloads)
                     results.append(result)
                 elif type(op) is FreeOp:
                     results.append(FreeResult(self._free(op.request_ids), step_id))
@@ -176,12 +189,26 @@ class KVCacheManager:
         finally:
             self._reserve = 0
         delta = StepDelta(step_id, tuple(rows_added), tuple(blocks_appended), tuple(copies), tuple(requests_freed))
+        if host_tier is not None:
+            offloads, onloads = host_tier.take_step_copies()
+            delta = delta._replace(offloads=offloads, onloads=onloads)
         return StepResult(step_id, tuple(results), delta)
+
+    def _with_tier_copies(self, result: AllocateResult, num_offloads: int, num_onloads: int) -> AllocateResult:
+        """`result` with the tier copies its op queued: those past the given counts of the step's lists."""
+        host_tier = self.host_tier
+        if len(host_tier.offloads) == num_offloads and len(host_tier.onloads) == num_onloads:
+            return result
+        return result._replace(
+            offloads=tuple(host_tier.offloads[num_offloads:]), onloads=tuple(host_tier.onloads[num_onloads:])
+        )
 
     def ack(self, step_id: int) -> int:
         """The workers finished every step up to `step_id`: release its copies.
 
-        Returns the number of copies released. Acknowledging an old step again
+        Returns the number of copy-on-write copies released; the host tier's
+        copies of those steps are released too and unpin their host blocks
+        (see `pending_tier_copies`). Acknowledging an old step again
         is a no-op; a step that was never issued is `OutOfRangeError`.
         """
         if not isinstance(step_id, int) or step_id < 0:
@@ -200,6 +227,8 @@ class KVCacheManager:
                     del self._retained[block]
             self.pool.free_blocks((src, dst))
             num_released += 1
+        if self.host_tier is not None:
+            self.host_tier.release(step_id)
         return num_released
 
     # -- queries -----------------------------------------------------------------
@@ -211,7 +240,7 @@ class KVCacheManager:
         lora: LoraRef | None = None,
         mm_features: Sequence[MMFeature] = (),
     ) -> CacheHit:
-        """Exactly the hit a first `allocate` of `token_ids` would adopt now. Changes nothing."""
+        """Exactly the hit a first `allocate` of `token_ids` would adopt now, both tiers. Changes nothing."""
         check_token_ids(token_ids, "token_ids")
         check_mm_features(tuple(mm_features), len(token_ids))
         if not self.enable_caching or not token_ids:
@@ -219,6 +248,12 @@ class KVCacheManager:
         extras = _extras(cache_salt, lora, tuple(mm_features))
         block_hashes = self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
         hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(block_hashes, len(token_ids) - 1)
+        if self.host_tier is not None:
+            return CacheHit(
+                num_hit_tokens,
+                tuple(tuple(-1 if type(b) is HostBlock else b.block_id for b in blocks) for blocks in hits),
+                self._num_host_tokens(hits),
+            )
         return CacheHit(num_hit_tokens, tuple(tuple(b.block_id for b in blocks) for blocks in hits))
 
     def block_table(self, request_id: str) -> BlockTable:
@@ -276,6 +311,26 @@ class KVCacheManager:
     def pending_copies(self) -> list[PendingCopy]:
         return [PendingCopy(s, BlockCopy(src.block_id, dst.block_id)) for s, src, dst in self._pending_copies]
 
+    def pending_tier_copies(self) -> list[PendingTierCopy]:
+        """The host tier's unacknowledged copies in step order; empty without a tier."""
+        return self.host_tier.pending_copies() if self.host_tier is not None else []
+
+    def host_tier_stats(self) -> HostTierStats | None:
+        """The host tier's usage and traffic; None without a tier."""
+        host_tier = self.host_tier
+        if host_tier is None:
+            return None
+        return HostTierStats(
+            num_host_blocks=host_tier.num_blocks,
+            num_free_host_blocks=host_tier.free_queue.num_free_blocks,
+            prefix_cache_host_hits=host_tier.num_hit_tokens,
+            num_offloaded_blocks=host_tier.num_offloaded_blocks,
+            num_onloaded_blocks=host_tier.num_onloaded_blocks,
+            num_host_evictions=host_tier.num_evictions,
+            num_dropped_offloads=host_tier.num_dropped_offloads,
+            num_pending_tier_copies=len(host_tier.pending),
+        )
+
     def stats(self) -> Stats:
         return Stats(
             num_blocks=self.pool.num_blocks,
@@ -289,8 +344,15 @@ class KVCacheManager:
         )
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the whole prefix cache. Refused (False) while any block is held."""
-        return self.pool.reset_prefix_cache()
+        """Forget the whole prefix cache, both tiers. Refused (False) while any device block is held.
+
+        Host blocks pinned by pending copies stay pinned until acknowledged.
+        """
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.reset()
+        return True
 
     def take_events(self) -> list[KVEvent]:
         """Drain the queued cache events, oldest first."""
@@ -325,15 +387,20 @@ class KVCacheManager:
         num_needed = 0
         for manager, hit in zip(managers, hits):
             num_needed += max(0, manager.num_required_blocks(need_slots, op.num_encoder_tokens) - len(hit))
-            # A hit block still in the free queue leaves it when adopted.
-            num_needed += sum(1 for block in hit if block.ref_cnt == 0 and not block.is_null)
+            # A hit block still in the free queue leaves it when adopted; a host hit needs a device block.
+            num_needed += sum(
+                1 for block in hit if (block.ref_cnt == 0 and not block.is_null) or type(block) is HostBlock
+            )
         if num_needed > self.pool.get_num_free_blocks() - self._reserve:
             return AllocateResult(AllocateStatus.NO_SPACE, 0, 0, self._no_groups, (), step_id)
 
         # Take every group's hit before popping any new block: a popped block
         # could otherwise be another group's hit, still in the free queue.
-        for hit in hits:
-            self.pool.touch(hit)
+        if self.host_tier is None:
+            for hit in hits:
+                self.pool.touch(hit)
+        else:
+            hits = self._adopt_hits_across_tiers(hits, block_hashes)
         tables = []
         groups = []
         for manager, hit in zip(managers, hits):
@@ -368,6 +435,54 @@ class KVCacheManager:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_computed
         return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), (), step_id)
+
+    def _adopt_hits_across_tiers(
+        self, hits: list[list[KVCacheBlock]], block_hashes: list[BlockHash]
+    ) -> list[list[KVCacheBlock]]:
+        """Take a hit that may hold host blocks; returns it with a device block at every position.
+
+        Device hits are touched and host hits pinned first, all groups at
+        once: the device blocks popped next may evict (and so offload, and so
+        evict host blocks), and neither kind of hit may be the victim. Each
+        host hit then gets a fresh device block, entered into the device
+        cache under the same hash, and an onload copy host -> device for this
+        step. Its tokens count as computed: the worker loads them before the
+        forward pass. The caller has checked that the device blocks are there.
+        """
+        host_tier = self.host_tier
+        pool = self.pool
+        for hit in hits:
+            pool.touch([block for block in hit if type(block) is not HostBlock])
+            for block in hit:
+                if type(block) is HostBlock:
+                    host_tier.pin_for_onload(block)
+        num_host_tokens = self._num_host_tokens(hits)
+        if not num_host_tokens:
+            return hits
+        device_hits = []
+        for manager, hit in zip(self.managers, hits):
+            k = manager.hashes_per_block
+            table = []
+            for index, block in enumerate(hit):
+                if type(block) is HostBlock:
+                    device_block = pool.get_new_blocks(1)[0]
+                    host_tier.record_onload(block, device_block)
+                    parent = block_hashes[index * k - 1] if index else None
+                    pool.cache_full_blocks(
+                        manager.group_id, [device_block], [block.block_hash], parent, manager.block_size
+                    )
+                    block = device_block
+                table.append(block)
+            device_hits.append(table)
+        host_tier.num_hit_tokens += num_host_tokens
+        return device_hits
+
+    def _num_host_tokens(self, hits: list[list[KVCacheBlock]]) -> int:
+        """Tokens of a hit held only by the host tier: the most of any group."""
+        return max(
+            (sum(1 for b in hit if type(b) is HostBlock) * m.block_size for m, hit in zip(self.managers, hits)),
+            default=0,
+        )
 
     def _continue(self, request: RequestState, op: AllocateOp, step_id: int) -> AllocateResult:
         """A later allocate: append the new tokens, recycle, copy-on-write, allocate.
@@ -504,7 +619,15 @@ class KVCacheManager:
     # -- snapshots -----------------------------------------------------------------
 
     def export_state(self) -> CoreState:
-        """The whole state as plain data, for a snapshot (see state.py). Changes nothing."""
+        """The whole state as plain data, for a snapshot (see state.py). Changes nothing.
+
+        ValueError with a host tier: its state is not in a snapshot yet.
+        """
+        if self.host_tier is not None:
+            raise ValueError(
+                f"num_host_blocks is {self.config.num_host_blocks}: snapshots of a core with a host tier "
+                "are not supported yet (only num_host_blocks 0)"
+            )
         return export_state(self)
 
     @classmethod

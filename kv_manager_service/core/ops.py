@@ -21,6 +21,18 @@ class BlockCopy(NamedTuple):
     dst_block_id: int
 
 
+class TierCopy(NamedTuple):
+    """Copy one block between the device pool and the host tier before the step runs.
+
+    The direction is the list that carries it: an offload copies device ->
+    host, an onload host -> device (see `host_tier` for the order a worker
+    applies them in).
+    """
+
+    device_block_id: int
+    host_block_id: int
+
+
 class AllocateOp(NamedTuple):
     """Schedule tokens of a request.
 
@@ -75,6 +87,9 @@ class AllocateResult(NamedTuple):
     groups: tuple[GroupAllocation, ...]
     copies: tuple[BlockCopy, ...]
     step_id: int
+    # Host-tier copies this op ordered (always empty without a host tier).
+    offloads: tuple[TierCopy, ...] = ()
+    onloads: tuple[TierCopy, ...] = ()
 
 
 class FreeResult(NamedTuple):
@@ -90,8 +105,17 @@ OpResult = Union[AllocateResult, FreeResult, ForkResult]
 
 
 class CacheHit(NamedTuple):
+    """The hit a first allocate would adopt now.
+
+    `num_cached_tokens` counts the whole hit, both tiers. With a host tier,
+    `num_host_cached_tokens` of them are in blocks only the host holds (the
+    most of any group), and `block_ids` holds -1 at those positions: the
+    device block an allocate would load them into is chosen only then.
+    """
+
     num_cached_tokens: int
     block_ids: tuple[tuple[int, ...], ...]  # per group, as `hit_block_ids`
+    num_host_cached_tokens: int = 0
 
 
 class BlockTable(NamedTuple):
@@ -123,6 +147,9 @@ class StepDelta(NamedTuple):
     blocks_appended: tuple[BlockAppend, ...]
     copies: tuple[BlockCopy, ...]
     requests_freed: tuple[str, ...]
+    # Host-tier copies, in op order; applied before `copies` (see `host_tier`).
+    offloads: tuple[TierCopy, ...] = ()
+    onloads: tuple[TierCopy, ...] = ()
 
 
 class StepResult(NamedTuple):
@@ -154,6 +181,25 @@ class PrefixLookupKeys(NamedTuple):
 class PendingCopy(NamedTuple):
     step_id: int
     copy: BlockCopy
+
+
+class PendingTierCopy(NamedTuple):
+    """A host-tier copy not yet acknowledged; its host block stays pinned until then."""
+
+    step_id: int
+    is_onload: bool
+    copy: TierCopy
+
+
+class HostTierStats(NamedTuple):
+    num_host_blocks: int
+    num_free_host_blocks: int  # cached-but-evictable included
+    prefix_cache_host_hits: int  # tokens of admission hits loaded from the host
+    num_offloaded_blocks: int
+    num_onloaded_blocks: int
+    num_host_evictions: int
+    num_dropped_offloads: int  # evicted device blocks not kept: every host block was pinned
+    num_pending_tier_copies: int
 
 
 class Stats(NamedTuple):

@@ -380,6 +380,8 @@ def pool_description(config: KVCacheConfig) -> str:
     """The pool's configuration as canonical JSON, with the hash seed replaced by a digest of it."""
     values = dataclasses.asdict(config)
     values.pop("enable_events", None)
+    if not values.get("num_host_blocks"):  # no host tier: the description journals written before the tier hold
+        values.pop("num_host_blocks", None)
     seed = values.pop("hash_seed", None)
     values["hash_seed_sha256"] = hashlib.sha256(seed.encode()).hexdigest() if seed else None
     return json.dumps(values, sort_keys=True, default=str)

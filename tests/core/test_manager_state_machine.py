@@ -734,3 +734,145 @@ TestChunkedLocalMachine = ChunkedLocalMachine.TestCase
 TestChunkedLocalMachine.settings = MULTI_GROUP_SETTINGS
 TestCrossAttentionMachine = CrossAttentionMachine.TestCase
 TestCrossAttentionMachine.settings = MACHINE_SETTINGS
+
+
+class HostTierMachine(ManagerMachine):
+    """Full attention over a tiny device pool with a tiny host tier behind it.
+
+    Device pools of 6..12 blocks and host tiers of 1..12 make eviction,
+    offload, host eviction, onload and pins under unacknowledged copies
+    happen in most runs. On top of the base contract: a hit continues from
+    the device into the host tier block by block; every host position of a
+    hit is adopted as a fresh device block loaded by one onload; each op's
+    tier copies are exactly its share of the step's; acks release pins.
+    """
+
+    max_prompt_len = 16
+
+    def make_config(self, data: st.DataObject) -> KVCacheConfig:
+        block_size = data.draw(st.integers(2, 3), label="block_size")
+        return _common(
+            data.draw(st.integers(6, 12), label="num_blocks"),
+            (GroupSpec(GroupKind.FULL_ATTENTION, block_size),),
+            num_host_blocks=data.draw(st.integers(1, 12), label="num_host_blocks"),
+        )
+
+    @initialize(data=st.data())
+    def create_manager(self, data: st.DataObject) -> None:
+        super().create_manager(data)
+        step = self.m.step
+
+        def checked_step(ops: Any, max_new_blocks: int | None = None) -> Any:
+            result = step(ops, max_new_blocks)
+            self.check_tier_copies(result)
+            return result
+
+        self.m.step = checked_step
+
+    def check_tier_copies(self, result: Any) -> None:
+        """Each op's tier copies are its share of the step's; onloads fill the hit's host positions."""
+        delta = result.delta
+        offloads = [c for r in result.results if isinstance(r, AllocateResult) for c in r.offloads]
+        onloads = [c for r in result.results if isinstance(r, AllocateResult) for c in r.onloads]
+        assert tuple(offloads) == delta.offloads and tuple(onloads) == delta.onloads
+        assert len({c.host_block_id for c in delta.offloads}) == len(delta.offloads), "two offloads into one host block"
+        pending = self.m.pending_tier_copies()
+        for copy in delta.offloads:
+            assert (result.step_id, False, copy) in pending
+        for copy in delta.onloads:
+            assert (result.step_id, True, copy) in pending
+        for op_result in result.results:
+            if isinstance(op_result, AllocateResult) and op_result.onloads:
+                hit_ids = op_result.groups[0].hit_block_ids
+                assert all(c.device_block_id in hit_ids for c in op_result.onloads)
+                event("onload")
+        if delta.offloads:
+            event("offload")
+
+    @precondition(lambda self: self.prompts)
+    @rule(data=st.data())
+    def revisit_after_pressure(self, data: st.DataObject) -> None:
+        """Fill the device pool with a prompt that shares nothing (evicting, so offloading), free it, then ask
+        for an earlier prompt again: a hit that continues on the host, if its blocks were kept there."""
+        m = self.m
+        earlier = self.prompts[data.draw(st.integers(0, len(self.prompts) - 1), label="earlier")]
+        if self.tokens and data.draw(st.booleans(), label="free_live_first"):
+            m.free(sorted(self.tokens))  # their blocks become evictable
+            self.tokens.clear()
+            self.extras.clear()
+        free_tokens = m.stats().num_free_blocks * m.config.groups[0].block_size
+        length = data.draw(st.integers(1, max(1, min(MAX_MODEL_LEN, free_tokens))), label="filler_len")
+        filler = AllocateOp(self.new_request_id(), [4 + i % 7 for i in range(length)], length)
+        self.run_first_call(filler)
+        if filler.request_id in self.tokens:
+            m.free([filler.request_id])
+            del self.tokens[filler.request_id], self.extras[filler.request_id]
+        if data.draw(st.booleans(), label="ack_first"):
+            m.ack(m.last_step_id)
+        op = AllocateOp(self.new_request_id(), list(earlier), len(earlier))
+        if self.first_call_is_valid(op):
+            self.run_first_call(op)
+
+    def longest_valid_hit(self, op: AllocateOp) -> int:
+        """Brute force across tiers: the longest run of blocks each cached on the device or the host."""
+        m = self.m
+        cached = cache_map_entries(m)
+        host = {(g, h) for g, index in enumerate(m.host_tier.cached) for h in index}
+        extras = HashExtras(op.lora, op.cache_salt or None, tuple(op.mm_features))
+        chain = self.hasher.hash_blocks(self.hasher.root_hash, op.token_ids, 0, extras)
+        block_size = m.config.groups[0].block_size
+        k = block_size // m.config.hash_block_size
+        num_hit = 0
+        while (num_hit + 1) * block_size <= len(op.token_ids) - 1:
+            key = (0, chain[(num_hit + 1) * k - 1])
+            if not (cached[key] > 0 or key in host):
+                break
+            num_hit += 1
+        return num_hit * block_size
+
+    def check_first_call_result(
+        self, op: AllocateOp, result: AllocateResult, hit: CacheHit | None = None, check_fresh: bool = True
+    ) -> None:
+        if hit is not None and result.status is AllocateStatus.OK:
+            # Host positions (-1) become fresh device blocks, each the destination of one onload, in order.
+            hit_ids = result.groups[0].hit_block_ids
+            onloaded = [d for h, d in zip(hit.block_ids[0], hit_ids) if h == -1]
+            assert onloaded == [c.device_block_id for c in result.onloads]
+            assert hit.num_host_cached_tokens == len(onloaded) * self.m.config.groups[0].block_size
+            others = self.other_table_blocks(op.request_id)
+            assert all(others[block_id] == 0 for block_id in onloaded), "an onload writes a block another table holds"
+            hit = hit._replace(block_ids=(hit_ids,))
+        super().check_first_call_result(op, result, hit, check_fresh)
+
+    @rule(data=st.data())
+    def ack(self, data: st.DataObject) -> None:
+        """The base contract, and: the tier copies of acknowledged steps are released with their pins."""
+        m = self.m
+        step_id = data.draw(st.integers(0, m.last_step_id), label="ack_step")
+        pending = m.pending_copies()
+        tier_pending = m.pending_tier_copies()
+        assert m.ack(step_id) == sum(1 for p in pending if p.step_id <= step_id)
+        assert m.pending_copies() == [p for p in pending if p.step_id > step_id]
+        assert m.pending_tier_copies() == [p for p in tier_pending if p.step_id > step_id]
+        pins = Counter(p.copy.host_block_id for p in m.pending_tier_copies())
+        assert [b.ref_cnt for b in m.host_tier.blocks] == [pins[b.block_id] for b in m.host_tier.blocks]
+        if any(p.step_id <= step_id for p in tier_pending):
+            event("ack released tier copies")
+
+    def reset_prefix_cache(self) -> None:
+        m = self.m
+        pinned_before = [b.ref_cnt for b in m.host_tier.blocks]
+        super().reset_prefix_cache()
+        if m.stats().num_free_blocks == m.config.num_blocks - 1:
+            assert not any(m.host_tier.cached), "an accepted reset leaves host hashes"
+            assert all(b.block_hash is None for b in m.host_tier.blocks)
+            assert [b.ref_cnt for b in m.host_tier.blocks] == pinned_before, "a reset unpins host blocks"
+
+    def free_everything_and_ack(self) -> None:
+        super().free_everything_and_ack()
+        tier = self.m.host_tier_stats()
+        assert tier.num_pending_tier_copies == 0 and tier.num_free_host_blocks == tier.num_host_blocks
+
+
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = MULTI_GROUP_SETTINGS

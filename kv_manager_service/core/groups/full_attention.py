@@ -12,14 +12,23 @@ class FullAttentionManager(GroupManager):
         """Cached blocks from the start, up to the first miss.
 
         A full-attention hit is downward closed: any prefix of a hit is a hit.
+        With a host tier, the chain is followed across both tiers block by
+        block: a block hits on the device, else on the host (a `HostBlock` at
+        that position), and the chain stops at the first block in neither.
         """
         cached = self.pool.cached[self.group_id]
+        host_tier = self.pool.host_tier
+        host_cached = host_tier.cached[self.group_id] if host_tier is not None else None
         k = self.hashes_per_block
         hits: list[KVCacheBlock] = []
         for i in range(k - 1, (max_length // self.block_size) * k, k):
             entry = cached.get(block_hashes[i])
             if entry is None:
-                break
+                if host_cached is None:
+                    break
+                entry = host_cached.get(block_hashes[i])
+                if entry is None:
+                    break
             hits.append(entry if isinstance(entry, KVCacheBlock) else next(iter(entry.values())))
         blocks_per_alignment = max(alignment // self.block_size, 1)
         del hits[len(hits) - len(hits) % blocks_per_alignment :]
