@@ -11,6 +11,11 @@ that check at the same moment can both pass, so start them one after the other.
 
 `memory_budget` is pure arithmetic over given (free, total) figures;
 `check_device_memory` asks the device for them, on CUDA only.
+
+The host tier's buffer (`num_host_blocks` blocks of the full-attention
+layers) lives in host memory, pinned on CUDA, so it is no part of the device
+budget; `check_host_memory` refuses one larger than the host's available
+memory (MemAvailable), since pinned pages cannot be swapped out.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class DeviceMemoryError(ValueError):
     """The model and the KV cache the manager asks for do not fit in the device's free memory."""
 
 
+class HostMemoryError(ValueError):
+    """The host tier the manager asks for does not fit in the host's available memory."""
+
+
 def weight_bytes(config: ModelConfig, element_size: int) -> int:
     """Bytes of the decoder's weights, `element_size` bytes per element, the config's biases and q/k norms included.
 
@@ -51,6 +60,17 @@ def kv_block_bytes(config: ModelConfig, pool: PoolShape, element_size: int) -> i
     """
     block_sizes = [pool.groups[group].block_size for group in assign_layers(config, pool.groups)]
     return sum(2 * block_size * config.num_kv_heads * config.head_dim for block_size in block_sizes) * element_size
+
+
+def host_tier_bytes(config: ModelConfig, pool: PoolShape, element_size: int) -> int:
+    """Bytes of the host tier's buffer: K and V of `num_host_blocks` blocks in every full-attention layer."""
+    block_sizes = [
+        pool.groups[group].block_size
+        for group in assign_layers(config, pool.groups)
+        if pool.groups[group].sliding_window == 0
+    ]
+    per_block = sum(2 * block_size * config.num_kv_heads * config.head_dim for block_size in block_sizes)
+    return pool.num_host_blocks * per_block * element_size
 
 
 def headroom_bytes(total_bytes: int) -> int:
@@ -134,3 +154,31 @@ def check_device_memory(
     if not budget.fits:
         raise DeviceMemoryError(budget.refusal(str(device)))
     return budget
+
+
+def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's MemAvailable in bytes; None where the kernel does not report it."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(config: ModelConfig, pool: PoolShape, dtype: torch.dtype, available_bytes: int | None) -> int:
+    """The host tier's bytes; raises HostMemoryError (one line) when they exceed `available_bytes`.
+
+    available_bytes: the host's available memory; None (unknown) skips the check.
+    """
+    needed = host_tier_bytes(config, pool, dtype.itemsize)
+    if available_bytes is not None and needed > available_bytes:
+        per_block = needed // pool.num_host_blocks
+        raise HostMemoryError(
+            f"the host has too little available memory for {pool.num_host_blocks} host-tier blocks: needed "
+            f"{_gib(needed)}, available {_gib(available_bytes)}; start the manager with --num-host-blocks "
+            f"{available_bytes // per_block} or fewer"
+        )
+    return needed

@@ -3,7 +3,9 @@
 The runner owns the KV tensors (one per layer) and the block tables. The
 service feeds it the manager's step deltas in order (`apply_step`), then the
 tokens of a step (`execute`); copies of a step are applied with its delta,
-before any compute that reads them.
+before any compute that reads them. With a host tier (`gpu_worker.host_tier`)
+the runner also owns the host KV buffer, and a delta's tier copies go first:
+offloads, then onloads, then copy-on-write copies.
 
 Host and device meet twice per step. Every small input (token ids, query
 starts, lengths, block-table rows, sampling parameters) goes over in one
@@ -22,6 +24,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from gpu_worker.block_tables import BlockTables
+from gpu_worker.host_tier import HostKVBuffer, check_tier_copies
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.sampling import SampledRows, SamplingParams, noise_key, sample
@@ -47,6 +50,15 @@ class PoolShape:
     groups: tuple[CacheGroup, ...]
     max_model_len: int
     max_num_requests: int
+    num_host_blocks: int = 0  # the host tier behind the pool; 0: none
+
+
+class BlockMoves(NamedTuple):
+    """A delta's block moves, checked against the pool, in the order they are applied."""
+
+    offloads: list[tuple[int, int]]  # (device_block_id, host_block_id)
+    onloads: list[tuple[int, int]]  # (device_block_id, host_block_id)
+    copies: list[tuple[int, int]]  # (src_block_id, dst_block_id)
 
 
 class ScheduledRequest(NamedTuple):
@@ -106,6 +118,17 @@ class ModelRunner:
             )
             for group in self.layer_groups
         ]
+        # Invariant: the manager puts only the full-attention group behind the host tier.
+        self.tier_layers = [
+            layer for layer, group in enumerate(self.layer_groups) if pool.groups[group].sliding_window == 0
+        ]
+        if pool.num_host_blocks and not self.tier_layers:
+            raise ValueError(
+                f"the manager's host tier of {pool.num_host_blocks} blocks needs a full-attention group, "
+                f"and model {config.name!r} has no layer in one"
+            )
+        tier_block_shape = tuple(self.kv_caches[self.tier_layers[0]].shape[1:]) if self.tier_layers else ()
+        self.host_kv = HostKVBuffer(pool.num_host_blocks, len(self.tier_layers), tier_block_shape, dtype, device)
         max_blocks = [-(-pool.max_model_len // g.block_size) for g in pool.groups]
         self.tables = BlockTables(pool.max_num_requests, max_blocks, device)
         self.scale = config.head_dim**-0.5
@@ -115,15 +138,24 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
 
-    def apply_step(self, delta: pb.StepDelta) -> None:
-        """The table changes and block copies of one step, which must be the next one.
+    @property
+    def host_kv_cache_bytes(self) -> int:
+        """Bytes of the host tier's buffer (host memory, pinned on CUDA)."""
+        return self.host_kv.num_bytes
 
-        Raises FailedPreconditionError, having changed nothing (tables, KV,
-        last_applied_step_id), when the delta names a group or a block id
-        outside the pool, or its copies alias (see `check_copies`), or when it
-        does not follow the last applied step: after a refused step every
-        later one is refused too, since the tables here no longer match the
-        manager's (the worker must restart to resync).
+    def apply_step(self, delta: pb.StepDelta) -> None:
+        """The table changes and block moves of one step, which must be the next one.
+
+        The moves run in the contract's order, all before the step's forward
+        pass: offloads (device -> host), onloads (host -> device), then the
+        copy-on-write copies; each direction is one batched copy over every
+        tier layer. Raises FailedPreconditionError, having changed nothing
+        (tables, device and host KV, last_applied_step_id), when the delta
+        names a group or a block id outside the pool or the host tier, or two
+        of its moves write one block (see `check_copies`, `check_tier_copies`),
+        or when it does not follow the last applied step: after a refused step
+        every later one is refused too, since the tables here no longer match
+        the manager's (the worker must restart to resync).
         """
         if delta.step_id != self.last_applied_step_id + 1:
             raise FailedPreconditionError(
@@ -131,7 +163,7 @@ class ModelRunner:
                 "a step between them was refused (see the log); restart the worker to resync with the manager",
                 "step_id",
             )
-        copies = self._check_delta(delta)
+        moves = self._check_delta(delta)
         tables = self.tables
         for row in delta.rows_added:
             per_group = [[] for _ in self.pool.groups]
@@ -142,12 +174,23 @@ class ModelRunner:
             tables.update(update.request_id, update.group_id, update.new_block_index, update.block_ids)
         for request_id in delta.requests_freed:
             tables.remove(request_id)
-        if copies:
-            staging = Staging()
-            staged = staging.add([block_id for pair in copies for block_id in pair], torch.int64, (len(copies), 2))
-            staging.to(self.device)
-            self.kernels.copy_blocks(self.kv_caches, staged.tensor)
+        if moves.offloads or moves.onloads or moves.copies:
+            self._move_blocks(moves)
         self.last_applied_step_id = delta.step_id
+
+    def _move_blocks(self, moves: BlockMoves) -> None:
+        """Apply checked moves in order; every device-side id goes over in one staging copy."""
+        staging = Staging()
+        offload_ids = staging.add([device_id for device_id, _ in moves.offloads], torch.int64)
+        onload_ids = staging.add([device_id for device_id, _ in moves.onloads], torch.int64)
+        copies = moves.copies
+        staged_copies = staging.add([block_id for pair in copies for block_id in pair], torch.int64, (len(copies), 2))
+        staging.to(self.device)
+        tier_caches = [self.kv_caches[layer] for layer in self.tier_layers]
+        self.host_kv.offload(tier_caches, offload_ids.tensor, [host_id for _, host_id in moves.offloads])
+        self.host_kv.onload(tier_caches, onload_ids.tensor, [host_id for _, host_id in moves.onloads])
+        if copies:
+            self.kernels.copy_blocks(self.kv_caches, staged_copies.tensor)
 
     def execute(self, requests: Sequence[ScheduledRequest]) -> list[RequestOutput]:
         """Compute and store the K/V of every scheduled token; the next token of each request.
@@ -204,8 +247,8 @@ class ModelRunner:
             for request, token_id, logprob in zip(requests, chosen_ids, chosen_logprobs)
         ]
 
-    def _check_delta(self, delta: pb.StepDelta) -> list[tuple[int, int]]:
-        """The delta's copies as (src, dst) pairs; FailedPreconditionError when the delta does not fit the pool."""
+    def _check_delta(self, delta: pb.StepDelta) -> BlockMoves:
+        """The delta's block moves; FailedPreconditionError when the delta does not fit the pool or the host tier."""
         num_groups, num_blocks = len(self.pool.groups), self.pool.num_blocks
         prefix = f"step {delta.step_id} does not fit this worker's pool, and none of it was applied"
         changes = [
@@ -229,7 +272,16 @@ class ModelRunner:
             check_copies(copies, num_blocks)
         except ValueError as error:
             raise FailedPreconditionError(f"{prefix}: {error}", "copies") from None
-        return copies
+        tier_moves = {
+            field: [(move.device_block_id, move.host_block_id) for move in getattr(delta, field)]
+            for field in ("offloads", "onloads")
+        }
+        for field, destination in (("offloads", "host"), ("onloads", "device")):
+            try:
+                check_tier_copies(field, tier_moves[field], num_blocks, self.pool.num_host_blocks, destination)
+            except ValueError as error:
+                raise FailedPreconditionError(f"{prefix}: {error}", field) from None
+        return BlockMoves(tier_moves["offloads"], tier_moves["onloads"], copies)
 
     def _check(self, requests: Sequence[ScheduledRequest]) -> None:
         if not requests:

@@ -16,7 +16,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import kernels
-from gpu_worker.memory_budget import check_device_memory
+from gpu_worker.memory_budget import available_host_bytes, check_device_memory, check_host_memory
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig, resolve_model
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
@@ -83,7 +83,7 @@ class WorkerOptions:
 
 
 def pool_shape(config: manager_pb.GetConfigResponse) -> PoolShape:
-    """The manager's pool as the runner needs it; refuses kinds of groups this worker cannot run."""
+    """The manager's pool and host tier as the runner needs them; refuses kinds of groups this worker cannot run."""
     groups = []
     for group in config.groups:
         if group.kind not in _WINDOWED_KINDS:
@@ -93,7 +93,9 @@ def pool_shape(config: manager_pb.GetConfigResponse) -> PoolShape:
             )
         window = group.sliding_window if _WINDOWED_KINDS[group.kind] else 0
         groups.append(CacheGroup(group.group_id, group.block_size, window))
-    return PoolShape(config.num_blocks, tuple(groups), config.max_model_len, config.max_num_requests)
+    return PoolShape(
+        config.num_blocks, tuple(groups), config.max_model_len, config.max_num_requests, config.num_host_blocks
+    )
 
 
 def check_prefix_caching(model_config: ModelConfig, enable_prefix_caching: bool) -> None:
@@ -181,6 +183,7 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     kernel_set = kernels.load(options.backend, device.type)
     dtype = options.torch_dtype
     budget = check_device_memory(model_config, pool, dtype, device)  # before anything is allocated there
+    check_host_memory(model_config, pool, dtype, available_host_bytes())
     if budget is not None:
         log.info(
             "%s: KV cache %.2f GiB + weights %.2f GiB + headroom %.2f GiB of %.2f GiB free; %d blocks would fit",
@@ -192,6 +195,11 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     else:
         weights = load_safetensors(checkpoint, model_config, dtype, device)
     runner = ModelRunner(LlamaModel(model_config, weights), pool, kernel_set, device, dtype)
+    if pool.num_host_blocks:
+        log.info(
+            "host tier: %d blocks, %.2f GiB of %s host memory", pool.num_host_blocks,
+            runner.host_kv_cache_bytes / 2**30, "pinned" if device.type == "cuda" else "ordinary",
+        )  # fmt: skip
     if options.backend == "triton" and device.type == "cuda":  # the CPU interpreter has nothing to compile
         warm_up_kernels(model_config, pool, dtype, device)
 

@@ -309,7 +309,7 @@ class KVManagerClient:
             cluster=cluster,
         )
         response = self._read(self.stub.FindCacheHit, request)
-        hit = CacheHit(response.num_cached_tokens, tuple(tuple(g.block_ids) for g in response.groups))
+        hit = convert.cache_hit_from(response)
         return hit, tuple(ReplicaHit(r.replica_id, r.num_cached_tokens) for r in response.replicas)
 
     def block_tables(self, request_ids: Sequence[str] = ()) -> BlockTables:

@@ -84,13 +84,37 @@ def test_invalid_config_files_are_refused_with_the_field(tmp_path, content, mess
         build_config(parse("--config", str(path)))
 
 
-def test_serve_refuses_a_host_tier_it_cannot_serve_yet(tmp_path):
-    """The tier's copies have no way to the workers yet: a server with one would lose them silently."""
+def test_serve_takes_the_host_tier_from_the_flag_or_the_config_file(tmp_path):
     config = tmp_path / "pool.json"
     config.write_text('{"num_blocks": 64, "num_host_blocks": 128}')
-    done = run_cli("serve", "--port", "0", "--config", str(config))
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "kv-manager: error: config num_host_blocks = 128: the host-memory tier runs in the core and in "
-        "`kv-manager replay` only; the server does not yet send its copies to workers, so it refuses it"
+
+    def num_host_blocks(*args: str) -> int:
+        return build_config(make_parser().parse_args(["serve", *args])).num_host_blocks
+
+    assert num_host_blocks() == 0
+    assert num_host_blocks("--num-host-blocks", "32") == 32
+    assert num_host_blocks("--config", str(config)) == 128
+    assert num_host_blocks("--config", str(config), "--num-host-blocks", "0") == 0  # the flag overrides the file
+    assert build_config(parse("--num-host-blocks", "16")).num_host_blocks == 16  # replay shares the flag
+
+
+def test_serve_refuses_a_host_tier_the_pool_cannot_use(tmp_path):
+    """The core refuses a tier with a group other than full attention: one line, exit 2."""
+    config = tmp_path / "pool.json"
+    config.write_text(
+        json.dumps(
+            {
+                "num_blocks": 64,
+                "groups": [
+                    {"kind": "full_attention", "block_size": 16},
+                    {"kind": "sliding_window", "block_size": 16, "sliding_window": 64},
+                ],
+            }
+        )
     )
+    done = run_cli("serve", "--port", "0", "--config", str(config), "--num-host-blocks", "128")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "kv-manager: error: num_host_blocks 128 needs full_attention groups only; groups[1] (sliding_window) "
+        "cannot use the host tier"
+    ]

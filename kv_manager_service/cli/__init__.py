@@ -39,6 +39,11 @@ def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> 
         help="block hash (default sha256_cbor; xxh3_128 needs --hash-seed)",
     )
     group.add_argument("--hash-seed", help="seed of the root hash; the secret key of xxh3_128")
+    group.add_argument(
+        "--num-host-blocks", type=non_negative_int,
+        help="blocks of a host-memory tier behind the pool (write-back on eviction; full-attention groups "
+        "only); 0 means none (default: the config file's num_host_blocks, else 0)",
+    )  # fmt: skip
     parser.set_defaults(default_num_blocks=default_num_blocks)
 
 
@@ -116,6 +121,8 @@ def build_config(args: argparse.Namespace, **overrides: Any) -> KVCacheConfig:
         values["hash_algorithm"] = args.hash_algorithm
     if args.hash_seed is not None:
         values["hash_seed"] = args.hash_seed
+    if args.num_host_blocks is not None:
+        values["num_host_blocks"] = args.num_host_blocks
     values.update(overrides)
     return KVCacheConfig.from_dict(values)
 
@@ -154,11 +161,6 @@ def make_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--token-budget", type=positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
     replay.add_argument("--max-running", type=positive_int, default=256, help="requests running at once (default %(default)s)")
-    replay.add_argument(
-        "--num-host-blocks", type=non_negative_int, default=0,
-        help="blocks of a host-memory tier behind the pool (write-back on eviction); 0 means none "
-        "(default %(default)s)",
-    )  # fmt: skip
     add_pool_flags(replay, default_num_blocks=100_000)
 
     serve = commands.add_parser(
@@ -292,11 +294,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level, args.log_format)
     config = build_config(args)
-    if config.num_host_blocks:
-        raise ValueError(
-            f"config num_host_blocks = {config.num_host_blocks}: the host-memory tier runs in the core and in "
-            "`kv-manager replay` only; the server does not yet send its copies to workers, so it refuses it"
-        )
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -333,7 +330,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, replay
     from kv_manager_service.workload import TokenExpander, load_trace
 
-    config = build_config(args, num_host_blocks=args.num_host_blocks) if args.num_host_blocks else build_config(args)
+    config = build_config(args)
     if not args.trace.exists():
         raise ValueError(f"trace file {args.trace} not found; pass --trace PATH")
     records = load_trace(args.trace, limit=args.requests)

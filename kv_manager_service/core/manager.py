@@ -619,15 +619,7 @@ class KVCacheManager:
     # -- snapshots -----------------------------------------------------------------
 
     def export_state(self) -> CoreState:
-        """The whole state as plain data, for a snapshot (see state.py). Changes nothing.
-
-        ValueError with a host tier: its state is not in a snapshot yet.
-        """
-        if self.host_tier is not None:
-            raise ValueError(
-                f"num_host_blocks is {self.config.num_host_blocks}: snapshots of a core with a host tier "
-                "are not supported yet (only num_host_blocks 0)"
-            )
+        """The whole state as plain data, both tiers, for a snapshot (see state.py). Changes nothing."""
         return export_state(self)
 
     @classmethod

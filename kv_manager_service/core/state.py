@@ -4,7 +4,8 @@
 another's state gives the same results, block ids, free-queue order, cache
 hits, pending copies and step ids on every later op. What a core holds that
 is not here is derived from its config (hasher, group managers) or from the
-data here (reference counts, copy retentions, the free queue's links).
+data here (reference counts, copy retentions and host pins, the free queues'
+links).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
+from kv_manager_service.core.host_tier import HostBlock, HostTier
 from kv_manager_service.core.invariants import check_invariants
+from kv_manager_service.core.ops import TierCopy
 from kv_manager_service.core.request import RequestState
 
 if TYPE_CHECKING:
@@ -37,6 +40,27 @@ class RequestSnapshot:
 
 
 @dataclass(frozen=True)
+class HostTierState:
+    """The host tier's state between steps (it has no copies of a running step then).
+
+    `free_host_block_ids`: its free queue, head (reused first) to tail.
+    `cached`: (group id, block hash, host block id) in the order of the group's
+    host index. `pending`: (step id, is an onload, device block id, host block
+    id, the hash the host block was pinned under) in step order; each pins its
+    host block, so the host blocks' reference counts are derived from them.
+    """
+
+    free_host_block_ids: tuple[int, ...]
+    cached: tuple[tuple[int, BlockHash, int], ...]
+    pending: tuple[tuple[int, bool, int, int, BlockHash], ...]
+    num_offloaded_blocks: int
+    num_onloaded_blocks: int
+    num_evictions: int
+    num_dropped_offloads: int
+    num_hit_tokens: int
+
+
+@dataclass(frozen=True)
 class CoreState:
     """A core's state between steps.
 
@@ -44,6 +68,7 @@ class CoreState:
     `cached`: (group id, block hash, block id) in the order of the group's
     hash map, the blocks of one hash in the order a hit picks them.
     `requests`: oldest first. `pending_copies`: (step id, src, dst) in step order.
+    `host_tier`: None without a host tier.
     """
 
     last_step_id: int
@@ -54,6 +79,7 @@ class CoreState:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_evictions: int
+    host_tier: HostTierState | None = None
 
 
 def export_state(manager: KVCacheManager) -> CoreState:
@@ -90,6 +116,28 @@ def export_state(manager: KVCacheManager) -> CoreState:
         manager.prefix_cache_queries,
         manager.prefix_cache_hits,
         pool.num_evictions,
+        _export_host_tier(manager.host_tier) if manager.host_tier is not None else None,
+    )
+
+
+def _export_host_tier(host_tier: HostTier) -> HostTierState:
+    assert not host_tier.offloads and not host_tier.onloads, "a state is exported between steps"
+    return HostTierState(
+        tuple([b.block_id for b in host_tier.free_queue]),
+        tuple(
+            (group_id, block_hash, b.block_id)
+            for group_id, cached in enumerate(host_tier.cached)
+            for block_hash, b in cached.items()
+        ),
+        tuple(
+            (step_id, is_onload, copy.device_block_id, copy.host_block_id, block_hash)
+            for step_id, _, block_hash, copy, is_onload in host_tier.pending
+        ),
+        host_tier.num_offloaded_blocks,
+        host_tier.num_onloaded_blocks,
+        host_tier.num_evictions,
+        host_tier.num_dropped_offloads,
+        host_tier.num_hit_tokens,
     )
 
 
@@ -102,6 +150,11 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
     """
     if manager.last_step_id or manager.requests:
         raise ValueError("a state is restored into a fresh core")
+    if (state.host_tier is None) != (manager.host_tier is None):
+        raise ValueError(
+            f"the state {'has' if state.host_tier is not None else 'has no'} host tier, but the core's config "
+            f"has num_host_blocks {manager.config.num_host_blocks}"
+        )
     pool = manager.pool
     blocks = pool.blocks
 
@@ -152,7 +205,39 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
     manager.prefix_cache_queries = state.prefix_cache_queries
     manager.prefix_cache_hits = state.prefix_cache_hits
     pool.num_evictions = state.num_evictions
+    if state.host_tier is not None:
+        _restore_host_tier(manager.host_tier, state.host_tier, state.last_step_id)
     try:
         check_invariants(manager)
     except AssertionError as error:
         raise ValueError(f"the state is inconsistent: {error}") from None
+
+
+def _restore_host_tier(host_tier: HostTier, state: HostTierState, last_step_id: int) -> None:
+    """Make the fresh `host_tier` hold `state`; the caller checks the invariants after."""
+    blocks = host_tier.blocks
+
+    def host_block(block_id: int) -> HostBlock:
+        if not 0 <= block_id < host_tier.num_blocks:
+            raise ValueError(f"host block id {block_id} is outside the host tier of {host_tier.num_blocks} blocks")
+        return blocks[block_id]
+
+    for b in blocks:
+        b.prev_free = b.next_free = None
+    host_tier.free_queue = FreeBlockQueue([host_block(block_id) for block_id in state.free_host_block_ids])
+    for group_id, block_hash, block_id in state.cached:
+        if not 0 <= group_id < len(host_tier.cached):
+            raise ValueError(f"host index group id {group_id} is outside the {len(host_tier.cached)} groups")
+        b = host_block(block_id)
+        b.block_hash, b.group_id = block_hash, group_id
+        host_tier.cached[group_id][block_hash] = b
+    for step_id, is_onload, device_block_id, host_block_id, block_hash in state.pending:
+        b = host_block(host_block_id)
+        b.ref_cnt += 1
+        host_tier.pending.append((step_id, b, block_hash, TierCopy(device_block_id, host_block_id), is_onload))
+    host_tier.step_id = last_step_id
+    host_tier.num_offloaded_blocks = state.num_offloaded_blocks
+    host_tier.num_onloaded_blocks = state.num_onloaded_blocks
+    host_tier.num_evictions = state.num_evictions
+    host_tier.num_dropped_offloads = state.num_dropped_offloads
+    host_tier.num_hit_tokens = state.num_hit_tokens

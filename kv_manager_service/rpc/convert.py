@@ -10,12 +10,14 @@ from kv_manager_service.core import (
     AllocateStatus,
     BlockCopy,
     BlockTable,
+    CacheHit,
     ForkOp,
     ForkResult,
     FreeOp,
     FreeResult,
     GroupAllocation,
     GroupKind,
+    HostTierStats,
     InvalidArgumentError,
     KVCacheConfig,
     LoraRef,
@@ -179,7 +181,25 @@ def step_delta(delta: StepDelta) -> pb.StepDelta:
         message.requests_freed.extend(delta.requests_freed)
     for copy in delta.copies:
         message.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
+    # A worker applies offloads, then onloads, then copies (see core/host_tier.py): the lists keep op order.
+    for copy in delta.offloads:
+        message.offloads.add(device_block_id=copy.device_block_id, host_block_id=copy.host_block_id)
+    for copy in delta.onloads:
+        message.onloads.add(device_block_id=copy.device_block_id, host_block_id=copy.host_block_id)
     return message
+
+
+def cache_hit_response(hit: CacheHit) -> pb.FindCacheHitResponse:
+    """A hit as FindCacheHit answers it: the null block (0) where the core says -1 (the block is only
+    on the host; the device block it would be loaded into is chosen by the Allocate that adopts it)."""
+    response = pb.FindCacheHitResponse(
+        num_cached_tokens=hit.num_cached_tokens, num_host_cached_tokens=hit.num_host_cached_tokens
+    )
+    for group_id, block_ids in enumerate(hit.block_ids):
+        if hit.num_host_cached_tokens:
+            block_ids = [max(block_id, 0) for block_id in block_ids]
+        response.groups.add(group_id=group_id, block_ids=block_ids)
+    return response
 
 
 def block_table(table: BlockTable, message: pb.RequestBlockTable) -> pb.RequestBlockTable:
@@ -201,6 +221,7 @@ def config_response(config: KVCacheConfig, replica_id: str, incarnation: int, ma
         max_model_len=config.max_model_len,
         max_num_requests=config.max_num_requests,
         max_tokens_per_call=max_tokens_per_call,
+        num_host_blocks=config.num_host_blocks,
     )
     for group_id, spec in enumerate(config.groups):
         response.groups.add(
@@ -309,12 +330,33 @@ def _is_decode(op: Op) -> bool:
     )
 
 
+def cache_hit_from(message: pb.FindCacheHitResponse) -> CacheHit:
+    """The core's CacheHit again: -1 where the wire says 0 at a host-only position. A host tier
+    serves full-attention groups only, whose device hits never include the null block, so with
+    host tokens a 0 can only be such a position."""
+    groups = tuple(tuple(g.block_ids) for g in message.groups)
+    if message.num_host_cached_tokens:
+        groups = tuple(tuple(b if b else -1 for b in block_ids) for block_ids in groups)
+    return CacheHit(message.num_cached_tokens, groups, message.num_host_cached_tokens)
+
+
 def block_table_from(message: pb.RequestBlockTable) -> BlockTable:
     return BlockTable(message.request_id, message.num_computed_tokens, tuple(tuple(g.block_ids) for g in message.groups))
 
 
-def stats_response(stats: Stats) -> pb.GetStatsResponse:
-    return pb.GetStatsResponse(**stats._asdict())
+def stats_response(stats: Stats, host_tier: HostTierStats | None = None) -> pb.GetStatsResponse:
+    """GetStats' pool figures; with a host tier, its fields 19-25 too (the dropped-offload count is
+    a metric only)."""
+    response = pb.GetStatsResponse(**stats._asdict())
+    if host_tier is not None:
+        response.num_host_blocks = host_tier.num_host_blocks
+        response.num_free_host_blocks = host_tier.num_free_host_blocks
+        response.prefix_cache_host_hits = host_tier.prefix_cache_host_hits
+        response.num_offloaded_blocks = host_tier.num_offloaded_blocks
+        response.num_onloaded_blocks = host_tier.num_onloaded_blocks
+        response.num_host_evictions = host_tier.num_host_evictions
+        response.num_pending_tier_copies = host_tier.num_pending_tier_copies
+    return response
 
 
 def stats_from(message: pb.GetStatsResponse) -> Stats:

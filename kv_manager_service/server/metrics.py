@@ -26,6 +26,15 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_mirror_resyncs_total` | counter | full re-publications of the cached set |
 | `kvcache_mirror_fenced` | gauge | 1 when another live manager holds this replica id's lease: the mirror stopped writing |
 | `kvcache_mirror_lookups_skipped_total` | counter | cluster lookups that skipped Redis after a recent failure |
+| `kvcache_host_num_blocks` | gauge | blocks of the host-memory tier (host-tier series only with `--num-host-blocks`) |
+| `kvcache_host_num_free_blocks` | gauge | host blocks free (cached free blocks included) |
+| `kvcache_host_usage_ratio` | gauge | share of the host blocks pinned by pending tier copies, 0..1 |
+| `kvcache_prefix_cache_host_hit_tokens_total` | counter | of the hit tokens, those loaded from the host tier |
+| `kvcache_offloaded_blocks_total` | counter | blocks copied device -> host (offloads) |
+| `kvcache_onloaded_blocks_total` | counter | blocks copied host -> device (onloads) |
+| `kvcache_host_evictions_total` | counter | cached host blocks evicted for reuse |
+| `kvcache_dropped_offloads_total` | counter | evicted device blocks not kept: every host block was pinned |
+| `kvcache_num_pending_tier_copies` | gauge | tier copies not yet acknowledged (each pins its host block) |
 | `kvcache_rpc_duration_seconds{method}` | histogram | time in the handler of each unary call |
 | `kvcache_rpc_errors_total{method,code}` | counter | calls that ended with a status other than OK |
 | `kvcache_tenant_blocks{tenant}` | gauge | with `--multi-tenant`: blocks the tenant holds (see tenancy.py) |
@@ -51,6 +60,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kv_manager_service.core import HostTierStats
 from kv_manager_service.server.replica import Replica
 
 TENANT_LABEL = "tenant"
@@ -73,7 +83,7 @@ class ManagerCollector:
         self.cluster = cluster
 
     def collect(self) -> Iterator[Metric]:
-        stats, last_step_id, last_event_sequence = self.replica.stats()
+        stats, last_step_id, last_event_sequence, host_tier = self.replica.stats()
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         mirror = self.mirror
         num_mirror_failures = (mirror.num_failures if mirror else 0) + (self.cluster.num_failures if self.cluster else 0)
@@ -107,11 +117,37 @@ class ManagerCollector:
             (counter, "kvcache_mirror_resyncs", "Full re-publications of the cached set to Redis.",
              mirror.num_resyncs if mirror else 0),
         ]  # fmt: skip
+        if host_tier is not None:
+            figures += _host_tier_figures(host_tier)
         for family, name, documentation, value in figures:
             yield family(name, documentation, value=value)
         if self.replica.tenancy is not None:
             yield from _tenant_metrics(self.replica)
         yield from _worker_metrics(self.replica)
+
+
+def _host_tier_figures(tier: HostTierStats) -> list[tuple[type, str, str, float]]:
+    """The host tier's series (only a server with one exports them)."""
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    num_pinned = tier.num_host_blocks - tier.num_free_host_blocks
+    return [
+        (gauge, "kvcache_host_num_blocks", "Blocks of the host-memory tier.", tier.num_host_blocks),
+        (gauge, "kvcache_host_num_free_blocks", "Free host blocks, cached free blocks included.",
+         tier.num_free_host_blocks),
+        (gauge, "kvcache_host_usage_ratio", "Share of the host blocks pinned by pending tier copies, 0..1.",
+         num_pinned / tier.num_host_blocks),
+        (counter, "kvcache_prefix_cache_host_hit_tokens", "Prompt tokens of prefix-cache hits loaded from the host.",
+         tier.prefix_cache_host_hits),
+        (counter, "kvcache_offloaded_blocks", "Blocks copied from the device pool to the host tier.",
+         tier.num_offloaded_blocks),
+        (counter, "kvcache_onloaded_blocks", "Blocks copied from the host tier to the device pool.",
+         tier.num_onloaded_blocks),
+        (counter, "kvcache_host_evictions", "Cached host blocks evicted to be reused.", tier.num_host_evictions),
+        (counter, "kvcache_dropped_offloads", "Evicted device blocks not kept: every host block was pinned.",
+         tier.num_dropped_offloads),
+        (gauge, "kvcache_num_pending_tier_copies", "Tier copies not yet acknowledged by every worker.",
+         tier.num_pending_tier_copies),
+    ]  # fmt: skip
 
 
 def _worker_metrics(replica: Replica) -> Iterator[Metric]:

@@ -204,7 +204,7 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
         worker_timeout_s=options.worker_timeout_s,
     )
     if journal is not None:
-        stats, last_step_id, _ = replica.stats()
+        stats, last_step_id, _, _ = replica.stats()
         log.info(
             "journal %s: restored %d records in %.2fs: step %d, %d live requests, %d pending copies",
             options.journal_path, len(journal.records), time.perf_counter() - started, last_step_id,

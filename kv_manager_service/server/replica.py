@@ -16,11 +16,12 @@ before the lock is released:
   before its caller or any worker hears of it; a replica that cannot write
   its journal calls `on_journal_failure` under the lock, which must not return
   to callers as if the step were durable (the server exits);
-- copies are released when every registered worker has acknowledged their
-  step (workers.py); a worker registers only by following the step log, and
-  stays registered while it streams or acknowledges: one silent for the worker
-  timeout is expired (`expire_workers`), or it unregisters; dropping the last
-  worker releases every pending copy, since no one is left to perform them;
+- copies, the host tier's included (their pins on host blocks), are released
+  when every registered worker has acknowledged their step (workers.py); a
+  worker registers only by following the step log, and stays registered
+  while it streams or acknowledges: one silent for the worker timeout is
+  expired (`expire_workers`), or it unregisters; dropping the last worker
+  releases every pending copy, since no one is left to perform them;
   after a restart, the journal's workers get a fresh lease;
 - a keyed Step is applied once: the key's lookup, the step and remembering
   its response happen under the lock together, so replaying the journal's
@@ -52,6 +53,7 @@ from kv_manager_service.core import (
     AllocateOp,
     BlockTable,
     CacheHit,
+    HostTierStats,
     KVCacheManager,
     LoraRef,
     MMFeature,
@@ -173,12 +175,12 @@ class Replica:
         self.workers = WorkerRegistry(worker_timeout_s)
         self._on_journal_failure = on_journal_failure
         self._closed = False
-        self._stats = (manager.stats(), 0, 0)
+        self._stats = (manager.stats(), 0, 0, manager.host_tier_stats())
         self.journal: Journal | None = None
         if journal is not None:
             self._replay(journal.records)
             self.workers.renew_all(time.monotonic())  # the journal's workers had no chance to call
-            self._stats = (manager.stats(), manager.last_step_id, self.events.last_id)
+            self._publish_stats()
         self.journal = journal
 
     def end_streams(self) -> None:
@@ -206,7 +208,7 @@ class Replica:
             finally:
                 if self.check_invariants:
                     self.manager.check_invariants()
-                self._stats = (self.manager.stats(), self.manager.last_step_id, self.events.last_id)
+                self._publish_stats()
 
     def step(self, ops: Sequence[Op], num_decode: int = 0, request: pb.StepRequest | None = None) -> StepResult:
         """Apply one step, then log its delta and events and journal it. Invalid input changes nothing.
@@ -354,12 +356,14 @@ class Replica:
         why (None: replaying, no line). Holds the lock."""
         self.workers.remove(worker_id)
         self._journal(journal_pb2.JournalRecord(unregister_worker=pb.UnregisterWorkerRequest(worker_id=worker_id)))
-        num_pending = len(self.manager.pending_copies())
+        manager = self.manager
+        num_pending, num_pending_tier = len(manager.pending_copies()), len(manager.pending_tier_copies())
         self._release()
         if why is not None:
             log.info(
-                "worker %s %s: %d pending copies released, %d workers left",
-                worker_id, why, num_pending - len(self.manager.pending_copies()), len(self.workers),
+                "worker %s %s: %d pending copies released, and %d pending tier copies, %d workers left",
+                worker_id, why, num_pending - len(manager.pending_copies()),
+                num_pending_tier - len(manager.pending_tier_copies()), len(self.workers),
                 extra={"worker_id": worker_id},
             )  # fmt: skip
 
@@ -434,6 +438,11 @@ class Replica:
             else:
                 raise ValueError(f"unexpected journal record {kind!r}")
 
+    def _publish_stats(self) -> None:
+        """Publish the figures `stats` returns, in one assignment so a reader sees one mutation's set."""
+        manager = self.manager
+        self._stats = (manager.stats(), manager.last_step_id, self.events.last_id, manager.host_tier_stats())
+
     def _publish_events(self) -> None:
         # Kept as core events, converted when a watcher sends them, off the lock.
         events = self.manager.take_events()
@@ -455,6 +464,10 @@ class Replica:
         """The tables of `request_ids`, the pending copies, and the step they reflect, read together.
 
         No `request_ids`: every live request's table (those `owned` accepts, when given).
+        The host tier's pending copies are not listed: a worker that resyncs here has
+        neither the device KV an offload would read nor the host KV an onload would read,
+        so it could not perform them; they stay pinned until the workers that received
+        them in their deltas acknowledge (or are dropped).
         """
         with self.lock:
             manager = self.manager
@@ -469,8 +482,9 @@ class Replica:
         """What to ask the other replicas about `token_ids` (hashing only: no lock)."""
         return self.manager.prefix_lookup_keys(token_ids, cache_salt, lora, mm_features)
 
-    def stats(self) -> tuple[Stats, int, int]:
-        """The pool's figures, the last step id and the last event sequence, as the last mutation left them.
+    def stats(self) -> tuple[Stats, int, int, HostTierStats | None]:
+        """The pool's figures, the last step id, the last event sequence and the host tier's figures
+        (None without one), as the last mutation left them.
 
         Never waits for the lock: a read of statistics does not queue behind a mutation.
         """

@@ -233,9 +233,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         lora = convert.lora(request.lora_name, request.lora_path)
         mm_features = convert.mm_features(request.mm_features)
         hit = self.replica.find_cache_hit(token_ids, salt, lora, mm_features)
-        response = pb.FindCacheHitResponse(num_cached_tokens=hit.num_cached_tokens)
-        for group_id, block_ids in enumerate(hit.block_ids):
-            response.groups.add(group_id=group_id, block_ids=block_ids)
+        response = convert.cache_hit_response(hit)
         if request.cluster:
             replicas = [(self.replica.replica_id, hit.num_cached_tokens)]
             keys = self.replica.prefix_lookup_keys(token_ids, salt, lora, mm_features) if self.cluster else None
@@ -286,8 +284,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     @_unary()
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
-        stats, last_step_id, last_event_sequence = self.replica.stats()
-        response = convert.stats_response(stats)
+        stats, last_step_id, last_event_sequence, host_tier = self.replica.stats()
+        response = convert.stats_response(stats, host_tier)
         response.last_step_id = last_step_id
         response.last_event_sequence = last_event_sequence
         metrics = self.mirror_metrics

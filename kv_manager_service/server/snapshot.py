@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kv_manager_service.core import LoraRef, MMFeature
 from kv_manager_service.core.hashing import BlockHash, HashExtras
-from kv_manager_service.core.state import CoreState, RequestSnapshot, restore_state
+from kv_manager_service.core.state import CoreState, HostTierState, RequestSnapshot, restore_state
 from kv_manager_service.server.tenancy import TenantUsage
 from kvcache.v1 import journal_pb2 as jpb
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -91,6 +91,7 @@ def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
         prefix_cache_queries=state.prefix_cache_queries,
         prefix_cache_hits=state.prefix_cache_hits,
         num_evictions=state.num_evictions,
+        host_tier=_host_tier_to_proto(state.host_tier) if state.host_tier is not None else None,
     )
 
 
@@ -106,6 +107,51 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         message.prefix_cache_queries,
         message.prefix_cache_hits,
         message.num_evictions,
+        _host_tier_from_proto(message.host_tier) if message.HasField("host_tier") else None,
+    )
+
+
+def _host_tier_to_proto(state: HostTierState) -> jpb.HostTierSnapshot:
+    group_ids, block_hashes, block_ids = zip(*state.cached) if state.cached else ((), (), ())
+    return jpb.HostTierSnapshot(
+        free_host_block_ids=state.free_host_block_ids,
+        cached_group_ids=group_ids,
+        cached_block_hashes=block_hashes,
+        cached_host_block_ids=block_ids,
+        pending=[
+            jpb.PendingTierCopySnapshot(
+                step_id=step_id,
+                is_onload=is_onload,
+                copy=pb.TierCopy(device_block_id=device_block_id, host_block_id=host_block_id),
+                block_hash=block_hash,
+            )
+            for step_id, is_onload, device_block_id, host_block_id, block_hash in state.pending
+        ],
+        num_offloaded_blocks=state.num_offloaded_blocks,
+        num_onloaded_blocks=state.num_onloaded_blocks,
+        num_evictions=state.num_evictions,
+        num_dropped_offloads=state.num_dropped_offloads,
+        num_hit_tokens=state.num_hit_tokens,
+    )
+
+
+def _host_tier_from_proto(message: jpb.HostTierSnapshot) -> HostTierState:
+    if not len(message.cached_group_ids) == len(message.cached_block_hashes) == len(message.cached_host_block_ids):
+        raise ValueError("the snapshot's cached host blocks have lists of different lengths")
+    return HostTierState(
+        tuple(message.free_host_block_ids),
+        tuple(
+            zip(message.cached_group_ids, map(BlockHash, message.cached_block_hashes), message.cached_host_block_ids)
+        ),
+        tuple(
+            (p.step_id, p.is_onload, p.copy.device_block_id, p.copy.host_block_id, BlockHash(p.block_hash))
+            for p in message.pending
+        ),
+        message.num_offloaded_blocks,
+        message.num_onloaded_blocks,
+        message.num_evictions,
+        message.num_dropped_offloads,
+        message.num_hit_tokens,
     )
 
 

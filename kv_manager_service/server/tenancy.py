@@ -158,13 +158,15 @@ class Tenancy:
 
     def tenant_stats(self, tenant: str, response: pb.GetStatsResponse) -> None:
         """A tenant's view of GetStats: its own requests and prefix-cache counters; occupancy,
-        evictions and step ids stay pool-wide (they tell how busy the pool is, not what it holds);
-        no event sequence (the event stream is the operator's)."""
+        evictions, step ids and the host tier's occupancy and copies stay pool-wide (they tell how busy
+        the pool is, not what it holds); no event sequence (the event stream is the operator's), and
+        no host hits (they are not counted per tenant)."""
         usage = self.usage.get(tenant) or TenantUsage(None)
         response.num_requests = usage.num_requests
         response.prefix_cache_queries = usage.prefix_cache_queries
         response.prefix_cache_hits = usage.prefix_cache_hits
         response.last_event_sequence = 0
+        response.prefix_cache_host_hits = 0
 
     def unscope_error(self, tenant: str, error: KVCacheError) -> KVCacheError:
         """The error as `tenant` should read it: its ids without the internal prefix."""

@@ -281,9 +281,3 @@ def test_reset_is_refused_for_both_tiers_while_a_device_block_is_held() -> None:
     before = host_hashes(manager)
     assert manager.reset_prefix_cache() is False
     assert host_hashes(manager) == before
-
-
-def test_snapshots_of_a_core_with_a_host_tier_are_refused() -> None:
-    manager = make_manager(num_blocks=5, num_host_blocks=8)
-    with pytest.raises(ValueError, match="num_host_blocks is 8: snapshots of a core with a host tier"):
-        manager.export_state()

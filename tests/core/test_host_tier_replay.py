@@ -55,4 +55,4 @@ def test_the_replay_command_refuses_a_negative_host_tier(capsys: pytest.CaptureF
     with pytest.raises(SystemExit) as exit_info:
         main(["replay", "--trace", str(EXCERPT), "--num-host-blocks", "-1"])
     assert exit_info.value.code == 2
-    assert "num_host_blocks must be an integer >= 0, got -1" in capsys.readouterr().err
+    assert "argument --num-host-blocks: must be >= 0, got -1" in capsys.readouterr().err
