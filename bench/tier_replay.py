@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_manager_service.core import BlockStored, GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
+from kv_manager_service.core.events import Tier
 from kv_manager_service.workload import TokenExpander, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ class WriteThroughCounter:
     def consume(self, manager: KVCacheManager) -> None:
         host = self.host
         for event in manager.take_events():
-            if type(event) is not BlockStored:
+            if type(event) is not BlockStored or event.tier is not Tier.DEVICE:  # the device pool's stores only
                 continue
             for block_hash in event.block_hashes:
                 if block_hash in host:

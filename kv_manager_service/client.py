@@ -119,7 +119,8 @@ class BlockTables(NamedTuple):
 
 class ReplicaHit(NamedTuple):
     replica_id: str
-    num_cached_tokens: int
+    num_cached_tokens: int  # both tiers
+    num_host_cached_tokens: int = 0  # of those, only in the replica's host tier
 
 
 class WorkerStatus(NamedTuple):
@@ -310,7 +311,9 @@ class KVManagerClient:
         )
         response = self._read(self.stub.FindCacheHit, request)
         hit = convert.cache_hit_from(response)
-        return hit, tuple(ReplicaHit(r.replica_id, r.num_cached_tokens) for r in response.replicas)
+        return hit, tuple(
+            ReplicaHit(r.replica_id, r.num_cached_tokens, r.num_host_cached_tokens) for r in response.replicas
+        )
 
     def block_tables(self, request_ids: Sequence[str] = ()) -> BlockTables:
         response = self._read(self.stub.GetBlockTables, pb.GetBlockTablesRequest(request_ids=request_ids))

@@ -148,9 +148,10 @@ class BlockPool:
         cached = self.cached[group_id]
         entry = cached[block_hash]
         if isinstance(entry, KVCacheBlock):
-            # The hash leaves the device: write it back to the host tier (reads the hash, so first).
+            # The hash leaves the device: write it back to the host tier (reads the hash, so
+            # first; its HOST events precede this DEVICE BlockRemoved, see core/events.py).
             if self.host_tier is not None:
-                self.host_tier.offload(block)
+                self.host_tier.offload(block, self.events if self.enable_events else None)
             del cached[block_hash]
         else:
             del entry[block.block_id]

@@ -45,6 +45,12 @@ pinned host block is never in the free queue, so it is never evicted or
 rewritten under a copy in flight. The device end of a tier copy is not
 retained: an offload's source is already the evicting request's block, and
 an onload's destination is the admitted request's block.
+
+Events: the host index changes only inside `offload` (a hash indexed, and
+the hash of the host block it reuses evicted), so that is where the host
+tier's BlockStored / BlockRemoved (tier HOST) are queued, into the device
+pool's event list so that both tiers' events keep one commit order. A reset
+is the pool's AllBlocksCleared, which covers both tiers.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from __future__ import annotations
 from collections import deque
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
+from kv_manager_service.core.events import BlockRemoved, BlockStored, KVEvent, Tier
 from kv_manager_service.core.hashing import BlockHash
 from kv_manager_service.core.ops import PendingTierCopy, TierCopy
 
@@ -102,7 +109,7 @@ class HostTier:
 
     # -- the device pool's eviction path ------------------------------------------
 
-    def offload(self, device_block: KVCacheBlock) -> None:
+    def offload(self, device_block: KVCacheBlock, events: list[KVEvent] | None = None) -> None:
         """Keep the cached `device_block`, about to lose its hash, on the host.
 
         If the host holds its hash already, that copy becomes the host's most
@@ -110,6 +117,9 @@ class HostTier:
         recently used free block is taken (evicting its hash), indexed under
         the hash, pinned, and an offload copy is queued for the running step.
         With every host block pinned, the block is dropped (counted).
+
+        With `events`, the host index's changes are appended to it: the
+        evicted hash's HOST BlockRemoved, then the new hash's HOST BlockStored.
         """
         block_hash, group_id = device_block.block_hash, device_block.group_id
         cached = self.cached[group_id]
@@ -124,10 +134,14 @@ class HostTier:
             return
         host_block = self.free_queue.popleft()
         if host_block.block_hash is not None:
+            if events is not None:
+                events.append(BlockRemoved(host_block.group_id, (host_block.block_hash,), Tier.HOST))
             self._evict(host_block)
         host_block.block_hash = block_hash
         host_block.group_id = group_id
         cached[block_hash] = host_block
+        if events is not None:
+            events.append(BlockStored(group_id, (block_hash,), None, 0, Tier.HOST))
         copy = TierCopy(device_block.block_id, host_block.block_id)
         self._pin(host_block, block_hash, copy, is_onload=False)
         self.offloads.append(copy)
@@ -178,6 +192,10 @@ class HostTier:
                     self.free_queue.append_n([host_block])
             num_released += 1
         return num_released
+
+    def cached_block_keys(self) -> set[tuple[int, BlockHash]]:
+        """Every (group id, block hash) the host index holds; free cached blocks included."""
+        return {(group_id, block_hash) for group_id, cached in enumerate(self.cached) for block_hash in cached}
 
     def pending_copies(self) -> list[PendingTierCopy]:
         return [PendingTierCopy(step_id, is_onload, copy) for step_id, _, _, copy, is_onload in self.pending]

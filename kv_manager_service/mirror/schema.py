@@ -6,8 +6,10 @@ so two models or two seeds never share an entry. Only block hashes are
 stored, never token ids. Every operation touches one key, so the keys shard
 across a Redis Cluster; writers batch them in pipelines.
 
-    {ns}:block:{group_id}:{hash hex}   HASH   replica_id -> incarnation
-        "this replica's incarnation holds a cached block with this hash"
+    {ns}:block:{group_id}:{hash hex}   HASH   replica_id -> incarnation, or incarnation + ":host"
+        "this replica's incarnation holds a cached block with this hash":
+        the bare incarnation when a device block carries it, the ":host"
+        form when only the replica's host-memory tier holds it
     {ns}:lease:{replica_id}             STRING JSON, expires after the lease TTL:
         {"incarnation": int, "address": "host:port", "num_requests": int,
          "usage": float, "num_free_blocks": int}
@@ -15,7 +17,8 @@ across a Redis Cluster; writers batch them in pipelines.
 
 A reader trusts a block entry only if the replica's lease is alive and names
 the same incarnation: entries of dead replicas, or of a replica's earlier
-life, are ignored.
+life, are ignored. A reader that predates the host tier compares the value
+with the bare incarnation, so it sees the device tier only, as before.
 
 One replica id has one holder. A writer claims, renews and drops its lease
 with compare-and-set scripts (`CLAIM_LEASE`, `DROP_LEASE`) that act only
@@ -29,6 +32,8 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass
+
+from kv_manager_service.core.events import Tier
 
 
 class ClusterUnavailableError(Exception):
@@ -63,6 +68,14 @@ return 0
 """
 
 
+HOST_ONLY_SUFFIX = ":host"
+
+
+def block_entry_value(incarnation: str, tier: Tier) -> str:
+    """The value of a replica's field in a block entry: its incarnation, marked when the block is host-only."""
+    return incarnation if tier is Tier.DEVICE else incarnation + HOST_ONLY_SUFFIX
+
+
 @dataclass(frozen=True)
 class Lease:
     replica_id: str
@@ -94,6 +107,16 @@ class Lease:
             float(data.get("usage", 0.0)),
             int(data.get("num_free_blocks", 0)),
         )
+
+
+@dataclass(frozen=True)
+class ReplicaTokens:
+    """One replica's cached prefix in tokens: `num_cached_tokens` in both tiers, of which
+    `num_host_cached_tokens` only in its host tier (as FindCacheHit's local answer counts them)."""
+
+    replica_id: str
+    num_cached_tokens: int
+    num_host_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,17 @@
 
 It follows the service's event log (bounded: that is the pending queue) and
 writes the changes in pipelines; it is never on the RPC path. A block hash
-is published while at least one cached block of this replica carries it
-(the cache does not de-duplicate, so the writer counts). When Redis fails,
-or the writer falls behind the log's retention, it sets a resync flag; on
-recovery it takes a snapshot of the pool's cached set, deletes what it had
-published and no longer holds, writes the rest, and resumes the deltas, so
-the mirror converges to exactly what the pool holds.
+is published while at least one cached block of this replica carries it,
+in either tier (the device cache does not de-duplicate, so the writer
+counts, per tier). Its entry says which tier: the bare incarnation while a
+device block carries the hash, the host-only form (schema.block_entry_value)
+while only the host tier holds it. So a block that moves device -> host is
+rewritten, not deleted, and an onload makes it a device entry again. When
+Redis fails, or the writer falls behind the log's retention, it sets a
+resync flag; on recovery it takes a snapshot of the pool's cached set in
+both tiers, deletes what it had published and no longer holds, writes the
+rest, and resumes the deltas, so the mirror converges to exactly what the
+pool holds.
 
 The lease. A heartbeat claims or renews the replica's lease by
 compare-and-set (schema.CLAIM_LEASE). The writer writes only while it holds
@@ -32,15 +37,23 @@ from typing import Callable
 import redis
 
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kv_manager_service.mirror.schema import CLAIM_LEASE, DROP_LEASE, KeySchema, Lease, ReplicaIdInUseError
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kv_manager_service.mirror.schema import (
+    CLAIM_LEASE,
+    DROP_LEASE,
+    KeySchema,
+    Lease,
+    ReplicaIdInUseError,
+    block_entry_value,
+)
 
 log = logging.getLogger("kv_manager_service.mirror.writer")
 
 BlockKey = tuple[int, bytes]  # (group id, block hash)
-# A consistent view of the pool: its cached (group, hash) counts, and the
+# A consistent view of the pool: its device tier's cached (group, hash) counts,
+# the (group, hash) keys its host tier holds (empty without one), and the
 # sequence of the last event they include.
-Snapshot = tuple[Counter, int]
+Snapshot = tuple[Counter, "set[BlockKey]", int]
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,11 @@ class MirrorWriter:
         self.lease = lease
         self.options = options
         self.metrics = MirrorMetrics()
-        self._published: Counter = Counter()  # what Redis holds for us, as counts
+        # What Redis holds for us, as counts per tier: a key is published as a
+        # device entry while its device count is positive, else as a host-only
+        # entry while its host count is.
+        self._published: Counter = Counter()
+        self._published_host: Counter = Counter()
         self._unsure: set[BlockKey] = set()  # keys a failed pipeline may have written
         self._next_sequence = 1
         self._resync = True
@@ -171,24 +188,40 @@ class MirrorWriter:
                 backoff = min(backoff * 2, self.options.max_retry_backoff_s)
 
     def _republish(self) -> None:
-        """Make Redis hold exactly the pool's current cached set for this incarnation."""
-        counts, sequence = self.snapshot()
+        """Make Redis hold exactly the pool's current cached set, both tiers, for this incarnation."""
+        counts, host_keys, sequence = self.snapshot()
+        host_only = set(host_keys) - counts.keys()
         pipe = self.client.pipeline(transaction=False)
-        for group_id, block_hash in (self._published.keys() | self._unsure) - counts.keys():
+        published = self._published.keys() | self._published_host.keys()
+        for group_id, block_hash in (published | self._unsure) - counts.keys() - host_only:
             pipe.hdel(self.schema.block(group_id, block_hash), self.replica_id)
-        for group_id, block_hash in counts:
-            pipe.hset(self.schema.block(group_id, block_hash), self.replica_id, self.incarnation)
+        for keys, tier in ((counts, Tier.DEVICE), (host_only, Tier.HOST)):
+            value = block_entry_value(self.incarnation, tier)
+            for group_id, block_hash in keys:
+                pipe.hset(self.schema.block(group_id, block_hash), self.replica_id, value)
         try:
             pipe.execute()
         except redis.RedisError:
-            self._unsure.update(counts)  # these may have landed; the retry deletes what the pool no longer holds
+            # These may have landed; the retry deletes what the pool no longer holds.
+            self._unsure.update(counts)
+            self._unsure.update(host_only)
             raise
         self._published = Counter(counts)
+        self._published_host = Counter(dict.fromkeys(host_keys, 1))
         self._unsure.clear()
         self._next_sequence = sequence + 1
         self._resync = False
         self.metrics.num_resyncs += 1
-        log.info("mirror republished %d block hashes up to event %d", len(counts), sequence)
+        log.info("mirror republished %d block hashes (%d host-only) up to event %d",
+                 len(counts) + len(host_only), len(host_only), sequence)  # fmt: skip
+
+    def _entry_tier(self, key: BlockKey) -> Tier | None:
+        """The tier the entry of `key` names after the events applied so far; None: no entry."""
+        if self._published[key] > 0:
+            return Tier.DEVICE
+        if self._published_host[key] > 0:
+            return Tier.HOST
+        return None
 
     def _write_batch(self) -> None:
         batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0.2)
@@ -202,33 +235,39 @@ class MirrorWriter:
             self._stop.wait(self.options.coalesce_s)
             batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0)
         self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
-        published = self._published
-        changes: dict[BlockKey, bool] = {}  # key -> present in Redis after this batch
+        tiers = {Tier.DEVICE: self._published, Tier.HOST: self._published_host}
+        before: dict[BlockKey, Tier | None] = {}  # key -> its entry's tier before this batch
         for _, (_, event) in batch:
-            if type(event) is BlockStored:
+            if type(event) is BlockStored or type(event) is BlockRemoved:
+                counts = tiers[event.tier]
+                delta = 1 if type(event) is BlockStored else -1
                 for block_hash in event.block_hashes:
                     key = (event.group_id, block_hash)
-                    published[key] += 1
-                    if published[key] == 1:
-                        changes[key] = True
-            elif type(event) is BlockRemoved:
-                for block_hash in event.block_hashes:
-                    key = (event.group_id, block_hash)
-                    published[key] -= 1
-                    if published[key] == 0:
-                        del published[key]
-                        changes[key] = False
+                    if key not in before:
+                        before[key] = self._entry_tier(key)
+                    counts[key] += delta
+                    if counts[key] == 0:
+                        del counts[key]
             else:
                 assert type(event) is AllBlocksCleared
-                changes.update(dict.fromkeys(published, False))
-                published.clear()
+                for counts in tiers.values():
+                    for key in counts:
+                        if key not in before:
+                            before[key] = self._entry_tier(key)
+                    counts.clear()
+        # key -> the tier its entry names after this batch (None: deleted); only keys that changed.
+        changes: dict[BlockKey, Tier | None] = {}
+        for key, tier in before.items():
+            after = self._entry_tier(key)
+            if after is not tier:
+                changes[key] = after
         pipe = self.client.pipeline(transaction=False)
-        for (group_id, block_hash), present in changes.items():
+        for (group_id, block_hash), tier in changes.items():
             key = self.schema.block(group_id, block_hash)
-            if present:
-                pipe.hset(key, self.replica_id, self.incarnation)
-            else:
+            if tier is None:
                 pipe.hdel(key, self.replica_id)
+            else:
+                pipe.hset(key, self.replica_id, block_entry_value(self.incarnation, tier))
         try:
             pipe.execute()
         except redis.RedisError:

@@ -25,7 +25,7 @@ from kv_manager_service.core import (
     Stats,
     StepDelta,
 )
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kv_manager_service.core.ops import Op, OpResult, StepResult
 from kvcache.v1 import kv_manager_pb2 as pb
 
@@ -235,15 +235,21 @@ def config_response(config: KVCacheConfig, replica_id: str, incarnation: int, ma
 
 
 def kv_event(event: KVEvent, sequence: int, replica_id: str, incarnation: int) -> pb.KVEvent:
+    """A core event on the wire. A device event leaves `tier` unset, so it is byte for byte what it
+    was before the host tier existed; a host event says TIER_HOST."""
     message = pb.KVEvent(sequence=sequence, replica_id=replica_id, incarnation=incarnation)
     if type(event) is BlockStored:
         message.block_stored.block_hashes.extend(event.block_hashes)
         message.block_stored.parent_block_hash = event.parent_block_hash or b""
         message.block_stored.group_id = event.group_id
         message.block_stored.block_size = event.block_size
+        if event.tier is Tier.HOST:
+            message.block_stored.tier = pb.TIER_HOST
     elif type(event) is BlockRemoved:
         message.block_removed.block_hashes.extend(event.block_hashes)
         message.block_removed.group_id = event.group_id
+        if event.tier is Tier.HOST:
+            message.block_removed.tier = pb.TIER_HOST
     else:
         assert type(event) is AllBlocksCleared, event
         message.all_blocks_cleared.SetInParent()

@@ -125,9 +125,9 @@ def logged_event_bytes(entry: tuple[int, KVEvent]) -> int:
     return 256 + (len(hashes) + 1) * (len(hashes[0]) + 40 if hashes else 0)
 
 
-# A consistent view of the pool for the mirror: its cached (group, hash) counts,
-# and the sequence of the last event they include.
-CachedSnapshot = tuple[Counter, int]
+# A consistent view of the pool for the mirror: its device tier's cached (group, hash)
+# counts, its host tier's (group, hash) keys, and the sequence of the last event they include.
+CachedSnapshot = tuple[Counter, "set[tuple[int, bytes]]", int]
 
 
 class Replica:
@@ -491,9 +491,12 @@ class Replica:
         return self._stats
 
     def cached_snapshot(self) -> CachedSnapshot:
-        """The pool's cached (group, hash) counts and the last event they include (for the mirror)."""
+        """The pool's cached (group, hash) counts, its host tier's keys (empty without one) and the
+        last event they include (for the mirror)."""
         with self.lock:
-            return self.manager.cached_block_counts(), self.events.last_id
+            host_tier = self.manager.host_tier
+            host_keys = host_tier.cached_block_keys() if host_tier is not None else set()
+            return self.manager.cached_block_counts(), host_keys, self.events.last_id
 
     def lease(self, address: str) -> Lease:
         """What the mirror advertises about this replica, serving at `address`."""

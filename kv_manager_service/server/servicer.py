@@ -30,7 +30,7 @@ from google.protobuf.message import Message
 
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.ops import Op, PrefixLookupKeys
-from kv_manager_service.mirror.schema import ClusterUnavailableError
+from kv_manager_service.mirror.schema import ClusterUnavailableError, ReplicaTokens
 from kv_manager_service.rpc import convert
 from kv_manager_service.rpc.errors import InvalidArgumentError, KVCacheError, OutOfRangeError, PermissionDeniedError
 from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
@@ -235,15 +235,19 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         hit = self.replica.find_cache_hit(token_ids, salt, lora, mm_features)
         response = convert.cache_hit_response(hit)
         if request.cluster:
-            replicas = [(self.replica.replica_id, hit.num_cached_tokens)]
+            replicas = [ReplicaTokens(self.replica.replica_id, hit.num_cached_tokens, hit.num_host_cached_tokens)]
             keys = self.replica.prefix_lookup_keys(token_ids, salt, lora, mm_features) if self.cluster else None
             if keys is not None:
                 replicas += self._other_replicas_hits(keys)
-            for replica_id, num_cached_tokens in sorted(replicas):
-                response.replicas.add(replica_id=replica_id, num_cached_tokens=num_cached_tokens)
+            for replica in sorted(replicas, key=lambda r: r.replica_id):
+                response.replicas.add(
+                    replica_id=replica.replica_id,
+                    num_cached_tokens=replica.num_cached_tokens,
+                    num_host_cached_tokens=replica.num_host_cached_tokens,
+                )
         return response
 
-    def _other_replicas_hits(self, keys: PrefixLookupKeys) -> list[tuple[str, int]]:
+    def _other_replicas_hits(self, keys: PrefixLookupKeys) -> list[ReplicaTokens]:
         """Every other live replica's cached prefix, from the mirror; none while Redis is unreachable or slow.
 
         This replica answers for itself from its own pool: exact, and present
@@ -255,7 +259,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             hits = self.cluster.prefix_hits(keys)
         except ClusterUnavailableError:
             return []
-        return [(replica_id, tokens) for replica_id, tokens in hits if replica_id != self.replica.replica_id]
+        return [hit for hit in hits if hit.replica_id != self.replica.replica_id]
 
     @_unary(inline=lambda request: 0 < len(request.request_ids) <= 256)
     def GetBlockTables(

@@ -52,6 +52,7 @@ from kv_manager_service.core import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.block_queue import KVCacheBlock
+from kv_manager_service.core.events import Tier
 from kv_manager_service.core.groups import cdiv
 from kv_manager_service.core.hashing import BlockHasher, HashExtras
 
@@ -136,6 +137,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.extras: dict[str, HashExtras] = {}
         self.event_model: Counter = Counter()
+        self.host_event_model: Counter = Counter()  # the host tier's hash index, replayed from its events
         self.next_request = 0
         self.prompts: list[tuple[int, ...]] = []
 
@@ -642,20 +644,27 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         for kv_event in m.take_events():
             if isinstance(kv_event, BlockStored):
-                assert kv_event.block_size == m.config.groups[kv_event.group_id].block_size
+                model = self.event_model if kv_event.tier is Tier.DEVICE else self.host_event_model
+                if kv_event.tier is Tier.DEVICE:
+                    assert kv_event.block_size == m.config.groups[kv_event.group_id].block_size
                 assert len(kv_event.block_hashes) >= 1
                 for block_hash in kv_event.block_hashes:
-                    self.event_model[(kv_event.group_id, block_hash)] += 1
+                    model[(kv_event.group_id, block_hash)] += 1
             elif isinstance(kv_event, BlockRemoved):
+                model = self.event_model if kv_event.tier is Tier.DEVICE else self.host_event_model
                 for block_hash in kv_event.block_hashes:
                     key = (kv_event.group_id, block_hash)
-                    assert self.event_model[key] > 0, f"removed {key} that was never stored"
-                    self.event_model[key] -= 1
+                    assert model[key] > 0, f"removed {key} from the {kv_event.tier.value} tier, never stored there"
+                    model[key] -= 1
             else:
                 assert isinstance(kv_event, AllBlocksCleared)
                 self.event_model.clear()
+                self.host_event_model.clear()
         self.event_model = +self.event_model
+        self.host_event_model = +self.host_event_model
         assert self.event_model == cache_map_entries(m)
+        host_keys = m.host_tier.cached_block_keys() if m.host_tier is not None else set()
+        assert self.host_event_model == Counter(host_keys), "the host tier's events disagree with its index"
 
 
 def _common(num_blocks: int, groups: tuple[GroupSpec, ...], **kwargs: Any) -> KVCacheConfig:

@@ -66,9 +66,9 @@ class StandInPool:
             self.counts.clear()
             self._log(AllBlocksCleared())
 
-    def snapshot(self) -> tuple[Counter, int]:
+    def snapshot(self) -> tuple[Counter, set, int]:
         with self.lock:
-            return Counter({(0, block_hash): n for block_hash, n in self.counts.items()}), self.events.last_id
+            return Counter({(0, block_hash): n for block_hash, n in self.counts.items()}), set(), self.events.last_id
 
     def cached(self) -> set[bytes]:
         with self.lock:
