@@ -53,6 +53,20 @@ def start(tree: Path, num_blocks: int, log_path: Path, extra_args: Sequence[str]
     return launch(argv, MANAGER_READY_PREFIX, log_path, cwd=tree, env=env)
 
 
+def decode_round(client, work: Workload, pid: int, warmup: int, steps: int) -> tuple[list[int], float]:
+    """`warmup + steps` back-to-back 256-request decode Steps on one server: the timed samples (ns) and the
+    server's CPU per Step (ms)."""
+    stub = client.stub
+    cpu_before = cpu_s(pid)
+    samples = timed_calls(
+        lambda i: stub.Step(work.decode_requests[i % len(work.decode_requests)], timeout=30),
+        lambda r: check_decode(r, NUM_REQUESTS),
+        warmup,
+        steps,
+    )
+    return samples, (cpu_s(pid) - cpu_before) * 1e3 / (warmup + steps)
+
+
 def commit_of(tree: Path) -> str:
     done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() or "?"
@@ -102,15 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 order = list(builds) if round_index % 2 == 0 else list(reversed(builds))
                 p50 = {}
                 for name in order:
-                    stub = clients[name].stub
-                    cpu_before = cpu_s(servers[name].pid)
-                    samples = timed_calls(
-                        lambda i: stub.Step(work.decode_requests[i % len(work.decode_requests)], timeout=30),
-                        lambda r: check_decode(r, NUM_REQUESTS),
-                        args.warmup,
-                        args.steps,
-                    )
-                    cpu_ms[name].append((cpu_s(servers[name].pid) - cpu_before) * 1e3 / (args.warmup + args.steps))
+                    samples, cpu_per_step = decode_round(clients[name], work, servers[name].pid, args.warmup, args.steps)
+                    cpu_ms[name].append(cpu_per_step)
                     series[name].add_samples(samples)
                     p50[name] = statistics.median(samples)
                 ratios.append(p50["this tree"] / p50["baseline"])

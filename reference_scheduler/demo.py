@@ -11,6 +11,11 @@ where conversations continue (`demo_flags.DEFAULT_START`), so prefix hits
 show. Every request of the window is waiting from the start, in trace order;
 a replica takes new requests while its waiting queue is short, so routing
 sees what earlier requests cached.
+
+With a host tier (`--num-host-blocks N` for the local manager, or running
+managers started with one), the report splits the hits by tier and gives the
+tier's copy volume from the managers' GetStats, in blocks and, when the
+worker's pool is all full attention (so every layer's block moves), in bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kv_manager_service.rpc.launch import LaunchedProcess, launch
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
 from kv_manager_service.workload import TokenExpander, TraceRecord, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
+from kvcache.v1 import worker_pb2
 from reference_scheduler.demo_flags import DEFAULT_START
 from reference_scheduler.demo_report import Sample, build_report, print_report, write_figure
 from reference_scheduler.progress import ProgressBar
@@ -49,6 +55,8 @@ class Replica:
     num_blocks: int
     mirrored: bool
     stats_before: pb.GetStatsResponse
+    num_host_blocks: int  # the manager's host tier; 0: none
+    tier_block_bytes: int | None  # bytes one tier copy moves; None: unknown (not every group is full attention)
     num_routed: int = 0
 
 
@@ -80,7 +88,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print_report(report)
         (args.output_dir / "report.json").write_text(report.to_json())
         title = f"kv-manager demo: requests {start}..{start + len(workload) - 1} of {trace.name}, scaled"
-        write_figure(samples, args.output_dir / "demo.png", title)
+        write_figure(samples, args.output_dir / "demo.png", title, host_tier=report.host_tier is not None)
         print(f"\nwrote {args.output_dir / 'report.json'} and {args.output_dir / 'demo.png'}")
     finally:
         for process in reversed(processes):
@@ -103,7 +111,8 @@ def _start_local(args: argparse.Namespace, processes: list[LaunchedProcess]) -> 
     logs = args.output_dir
     manager = launch(
         [python, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--replica-id", "demo",
-         "--num-blocks", str(args.num_blocks), "--block-size", "16"],
+         "--num-blocks", str(args.num_blocks), "--block-size", "16",
+         "--num-host-blocks", str(args.num_host_blocks)],
         MANAGER_READY_PREFIX, logs / "manager.log",
     )  # fmt: skip
     processes.append(manager)
@@ -130,8 +139,25 @@ def _connect(manager_address: str, worker_address: str, args: argparse.Namespace
     config = manager.get_config()
     stats = manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     scheduler = ReferenceScheduler(manager, worker, SchedulerConfig(args.token_budget, args.max_running))
-    return Replica(config.replica_id, manager, worker, scheduler, config.groups[0].block_size, config.num_blocks,
-                   stats.mirror_enabled, stats)  # fmt: skip
+    return Replica(
+        config.replica_id, manager, worker, scheduler, config.groups[0].block_size, config.num_blocks,
+        stats.mirror_enabled, stats, config.num_host_blocks, tier_block_bytes(config, worker.info()),
+    )  # fmt: skip
+
+
+def tier_block_bytes(config: pb.GetConfigResponse, info: worker_pb2.GetWorkerInfoResponse) -> int | None:
+    """Bytes of one tier copy (a block over every tier layer); None when the worker's cache does not tell them.
+
+    The tier holds the full-attention layers' blocks. When every group is
+    full attention, those are all of the worker's layers, so a block's bytes
+    are the worker's KV cache bytes over its blocks (one tensor per layer,
+    `num_blocks` blocks each).
+    """
+    if not config.num_host_blocks or not info.num_blocks:
+        return None
+    if any(group.kind != pb.GROUP_KIND_FULL_ATTENTION for group in config.groups):
+        return None
+    return info.kv_cache_bytes // info.num_blocks
 
 
 def _drive(
@@ -179,7 +205,10 @@ def _route(replicas: list[Replica], prompt: list[int]) -> Replica:
 
 
 def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
-    queries = hits = used = total = 0
+    queries = hits = host_hits = used = total = 0
+    offloaded = onloaded = 0
+    offloaded_bytes: int | None = 0
+    onloaded_bytes: int | None = 0
     real = paged = own_max = contiguous = 0
     cached = admitted = 0
     for replica in replicas:
@@ -189,6 +218,14 @@ def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
         stats = replica.manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
         queries += stats.prefix_cache_queries - replica.stats_before.prefix_cache_queries
         hits += stats.prefix_cache_hits - replica.stats_before.prefix_cache_hits
+        host_hits += stats.prefix_cache_host_hits - replica.stats_before.prefix_cache_host_hits
+        num_offloaded = stats.num_offloaded_blocks - replica.stats_before.num_offloaded_blocks
+        num_onloaded = stats.num_onloaded_blocks - replica.stats_before.num_onloaded_blocks
+        offloaded += num_offloaded
+        onloaded += num_onloaded
+        if replica.num_host_blocks:
+            offloaded_bytes = _add_bytes(offloaded_bytes, num_offloaded, replica.tier_block_bytes)
+            onloaded_bytes = _add_bytes(onloaded_bytes, num_onloaded, replica.tier_block_bytes)
         used += round(stats.usage * (stats.num_blocks - 1))
         total += stats.num_blocks - 1
         block_size = replica.block_size
@@ -204,6 +241,7 @@ def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
         t_s=t_s,
         usage=used / total if total else 0.0,
         hit_rate=hits / queries if queries else 0.0,
+        host_hit_rate=host_hits / queries if queries else 0.0,
         num_running=sum(len(s.running) for s in schedulers),
         num_waiting=sum(len(s.waiting) for s in schedulers),
         num_completed=sum(1 for s in schedulers for r in s.sequences.values() if r.finished),
@@ -214,15 +252,25 @@ def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
         contiguous_slots=contiguous,
         num_prefix_hit_tokens=cached,
         num_prefilled_tokens=admitted - cached,
+        num_offloaded_blocks=offloaded,
+        num_onloaded_blocks=onloaded,
+        offloaded_bytes=offloaded_bytes,
+        onloaded_bytes=onloaded_bytes,
     )
+
+
+def _add_bytes(total: int | None, num_blocks: int, block_bytes: int | None) -> int | None:
+    """`total` plus `num_blocks` copies of `block_bytes` each; None once any replica's block bytes are unknown."""
+    return None if total is None or block_bytes is None else total + num_blocks * block_bytes
 
 
 def _banner(args: argparse.Namespace, replicas: list[Replica], trace_name: str, start: int, num_requests: int) -> str:
     where = (
         f"{len(replicas)} replica{'' if len(replicas) == 1 else 's'} ({', '.join(r.replica_id for r in replicas)})"
         if args.replica
-        else f"a local manager ({replicas[0].num_blocks} blocks x {replicas[0].block_size} tokens) and worker "
-        f"({args.model}, {args.backend} backend, CPU)"
+        else f"a local manager ({replicas[0].num_blocks} blocks x {replicas[0].block_size} tokens"
+        + (f", host tier of {replicas[0].num_host_blocks} blocks" if replicas[0].num_host_blocks else "")
+        + f") and worker ({args.model}, {args.backend} backend, CPU)"
     )
     window = (
         f"the first {num_requests} requests" if start == 0 else f"requests {start}..{start + num_requests - 1}"

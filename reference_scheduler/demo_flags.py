@@ -62,6 +62,11 @@ def add_demo_flags(parser: argparse.ArgumentParser) -> None:
     local.add_argument("--model", default="small", help="the worker's model: a built-in name or a checkpoint directory (default %(default)s)")
     local.add_argument("--backend", choices=["torch", "triton"], default="torch", help="the worker's kernels (default %(default)s)")
     local.add_argument("--num-blocks", type=positive_int, default=DEFAULT_NUM_BLOCKS, help="the manager's pool, 16-token blocks (default %(default)s)")
+    local.add_argument(
+        "--num-host-blocks", type=non_negative_int, default=0,
+        help="the manager's host-memory tier behind the pool, in blocks; the report then splits hits by tier "
+        "and gives the tier's copy volume (default %(default)s: no tier)",
+    )  # fmt: skip
 
     remote = parser.add_argument_group("running services")
     remote.add_argument(

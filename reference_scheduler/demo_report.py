@@ -1,7 +1,9 @@
 """What the demo measured: samples over time, the final report, and its figure.
 
 `report.json` holds the `Report` fields and a `units` map (`REPORT_UNITS`)
-that gives each field's unit; fractions are in 0..1, not percent.
+that gives each field's unit; fractions are in 0..1, not percent. With a
+host tier, `host_tier` holds a `TierReport` (its units map is the `units`
+entry of the same name); without one it is null.
 
 What prefix hits saved: an admission's cached prefix is not prefilled, so the
 hits saved `num_prefix_hit_tokens` tokens of prefill. The time they saved is
@@ -53,6 +55,25 @@ class Sample:
     contiguous_slots: int  # token slots reserving max-model-len for each request
     num_prefix_hit_tokens: int  # admitted tokens found in the prefix cache since the demo started
     num_prefilled_tokens: int  # admitted tokens computed since the demo started
+    # The host tier's share since the demo started (all 0 without one).
+    host_hit_rate: float = 0.0  # of hit_rate: tokens loaded from the host tier / looked-up tokens
+    num_offloaded_blocks: int = 0  # device -> host copies
+    num_onloaded_blocks: int = 0  # host -> device copies
+    offloaded_bytes: int | None = 0  # None: a replica's bytes per block are unknown
+    onloaded_bytes: int | None = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TierReport:
+    """Hits by tier and the host tier's copy volume; `TIER_UNITS` gives each field's unit."""
+
+    num_host_blocks: int  # over all replicas
+    device_hit_rate: float
+    host_hit_rate: float
+    num_offloaded_blocks: int
+    num_onloaded_blocks: int
+    offloaded_bytes: int | None  # None: not every replica's bytes per block are known
+    onloaded_bytes: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +106,28 @@ class Report:
     contiguous_real_token_share: float
     max_model_len: int
     requests_per_replica: dict[str, int]
+    host_tier: TierReport | None = None  # None: no replica has a host tier
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "units": REPORT_UNITS}, indent=2) + "\n"
 
 
+TIER_UNITS: dict[str, str] = {
+    "num_host_blocks": "blocks of host memory behind the device pools, over all replicas",
+    "device_hit_rate": "fraction (0..1) of the tokens looked up on admission found on the device",
+    "host_hit_rate": "fraction (0..1) of the tokens looked up on admission found only in the host tier, "
+    "so loaded from it",
+    "num_offloaded_blocks": "blocks copied device -> host (write-back on eviction)",
+    "num_onloaded_blocks": "blocks copied host -> device (host hits)",
+    "offloaded_bytes": "bytes copied device -> host, every layer of each block; null when unknown (a pool "
+    "that is not all full attention)",
+    "onloaded_bytes": "bytes copied host -> device, every layer of each block; null when unknown",
+}
+
 _FRACTION_OF_SLOTS = "fraction (0..1) of the token slots reserved for the running requests, averaged over the run"
 
-# The unit of every Report field, written to report.json as "units".
-REPORT_UNITS: dict[str, str] = {
+# The unit of every Report field, written to report.json as "units" (host_tier's: a map of its own).
+REPORT_UNITS: dict[str, str | dict[str, str]] = {
     "trace_file": "file name",
     "trace_start_index": "0-based index (line) in the trace of the first request replayed",
     "num_requests": "requests",
@@ -122,6 +156,7 @@ REPORT_UNITS: dict[str, str] = {
     "contiguous_real_token_share": _FRACTION_OF_SLOTS + " (contiguous, max_model_len or more each)",
     "max_model_len": "tokens",
     "requests_per_replica": "requests, by replica id",
+    "host_tier": TIER_UNITS,
 }
 
 
@@ -173,6 +208,24 @@ def build_report(
         contiguous_real_token_share=real / max(1, sum(s.contiguous_slots for s in samples)),
         max_model_len=args.max_model_len,
         requests_per_replica={replica.replica_id: replica.num_routed for replica in replicas},
+        host_tier=build_tier_report(sum(replica.num_host_blocks for replica in replicas), last),
+    )
+
+
+def build_tier_report(num_host_blocks: int, last: Sample | None) -> TierReport | None:
+    """Hits by tier and copy volume from the run's last sample; None without a host tier."""
+    if not num_host_blocks:
+        return None
+    if last is None:
+        return TierReport(num_host_blocks, 0.0, 0.0, 0, 0, 0, 0)
+    return TierReport(
+        num_host_blocks=num_host_blocks,
+        device_hit_rate=last.hit_rate - last.host_hit_rate,
+        host_hit_rate=last.host_hit_rate,
+        num_offloaded_blocks=last.num_offloaded_blocks,
+        num_onloaded_blocks=last.num_onloaded_blocks,
+        offloaded_bytes=last.offloaded_bytes,
+        onloaded_bytes=last.onloaded_bytes,
     )
 
 
@@ -206,6 +259,7 @@ def print_report(report: Report) -> None:
         ("requests completed", f"{report.num_completed} / {report.num_requests}"),
         ("prompt / generated tokens", f"{report.num_prompt_tokens:,} / {report.num_generated_tokens:,}"),
         ("prefix-hit rate (tokens)", f"{report.prefix_hit_rate:.1%}"),
+        *(tier_rows(report.host_tier) if report.host_tier is not None else ()),
         ("tokens found cached, not prefilled", f"{report.num_prefix_hit_tokens:,}"),
         ("tokens prefilled", f"{report.num_prefilled_tokens:,}"),
         ("prefill time the hits saved", saved_time),
@@ -239,10 +293,25 @@ def print_report(report: Report) -> None:
         print(textwrap.fill(note, width=100, initial_indent="  ", subsequent_indent="  "))
 
 
-def build_figure(samples: Sequence[Sample], title: str) -> "Figure":
+def tier_rows(tier: TierReport) -> list[tuple[str, str]]:
+    """The console report's host-tier rows: hits by tier, then the copy volume."""
+
+    def volume(num_blocks: int, num_bytes: int | None) -> str:
+        return f"{num_blocks:,} blocks" + ("" if num_bytes is None else f" ({num_bytes / 2**20:,.1f} MiB)")
+
+    return [
+        ("  of which on the device", f"{tier.device_hit_rate:.1%}"),
+        (f"  of which in the host tier ({tier.num_host_blocks:,} blocks)", f"{tier.host_hit_rate:.1%}"),
+        ("host tier: offloaded (device -> host)", volume(tier.num_offloaded_blocks, tier.offloaded_bytes)),
+        ("host tier: onloaded (host -> device)", volume(tier.num_onloaded_blocks, tier.onloaded_bytes)),
+    ]
+
+
+def build_figure(samples: Sequence[Sample], title: str, host_tier: bool = False) -> "Figure":
     """KV usage and prefix-hit rate, prefill tokens cached and computed, and requests, over time.
 
-    Every legend sits to the right of its axes, outside the plotted data.
+    With `host_tier`, the top panel also shows the share of the hit rate
+    loaded from the host tier. Every legend sits to the right of its axes, outside the plotted data.
     """
     try:
         import matplotlib
@@ -256,6 +325,8 @@ def build_figure(samples: Sequence[Sample], title: str) -> "Figure":
     fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True, constrained_layout=True)
     top.plot(t, [100 * s.usage for s in samples], label="KV usage\n(blocks in use)")
     top.plot(t, [100 * s.hit_rate for s in samples], label="prefix-hit rate\n(tokens, cumulative)")
+    if host_tier:
+        top.plot(t, [100 * s.host_hit_rate for s in samples], label="of which from\nthe host tier")
     top.set_ylabel("%")
     top.set_ylim(0, 100)
     top.set_title(title)
@@ -273,9 +344,9 @@ def build_figure(samples: Sequence[Sample], title: str) -> "Figure":
     return fig
 
 
-def write_figure(samples: Sequence[Sample], path: Path, title: str) -> None:
+def write_figure(samples: Sequence[Sample], path: Path, title: str, host_tier: bool = False) -> None:
     """`build_figure` as a PNG at `path`."""
-    fig = build_figure(samples, title)
+    fig = build_figure(samples, title, host_tier)
     import matplotlib.pyplot as plt
 
     fig.savefig(path, dpi=110)

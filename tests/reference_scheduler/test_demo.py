@@ -19,8 +19,10 @@ from kv_manager_service.cli.replay import ReplayConfig, replay
 from kv_manager_service.core import KVCacheManager
 from kv_manager_service.core.config import KVCacheConfig
 from kv_manager_service.workload import TokenExpander, load_trace
-from reference_scheduler.demo import DEFAULT_TRACE, _banner, trace_start
-from reference_scheduler.demo_report import REPORT_UNITS, Report, Sample, build_figure
+from kvcache.v1 import kv_manager_pb2 as pb
+from kvcache.v1 import worker_pb2
+from reference_scheduler.demo import DEFAULT_TRACE, _banner, tier_block_bytes, trace_start
+from reference_scheduler.demo_report import REPORT_UNITS, TIER_UNITS, Report, Sample, TierReport, build_figure
 
 REPORT_FIELDS = {
     "trace_file", "trace_start_index", "num_requests", "num_completed", "prefix_hit_rate", "num_prefix_hit_tokens",
@@ -93,6 +95,43 @@ def test_the_local_demo_reports_on_paging(tmp_path):
     # Paging wastes at most a block's tail per request; a 2048-token contiguous reservation wastes most of it.
     assert report["paged_real_token_share"] > 0.8 > report["contiguous_real_token_share"]
     assert 0 < report["peak_usage"] <= 1 and report["step_ms_p50"] > 0
+    assert report["host_tier"] is None and "host tier" not in done.stdout  # no tier: the report is unchanged
+
+
+def test_the_local_demo_with_a_host_tier_reports_hits_by_tier_and_the_copy_volume(tmp_path):
+    # A device pool too small for the window's shared prefixes: they are evicted to the host and come back from it.
+    done, report = run_demo(
+        tmp_path, "--requests", "24", "--model", "tiny", "--num-blocks", "160", "--max-running", "8",
+        "--num-host-blocks", "512",
+    )  # fmt: skip
+    assert report["num_completed"] == 24
+    tier = report["host_tier"]
+    assert set(tier) == set(report["units"]["host_tier"]) == set(TIER_UNITS)
+    assert tier["num_host_blocks"] == 512
+    assert tier["device_hit_rate"] + tier["host_hit_rate"] == pytest.approx(report["prefix_hit_rate"])
+    assert tier["host_hit_rate"] > 0 and tier["num_offloaded_blocks"] > 0 and tier["num_onloaded_blocks"] > 0
+    # Every host-hit block is one onload, 16 tokens each.
+    looked_up = report["num_prefix_hit_tokens"] + report["num_prefilled_tokens"]
+    assert tier["num_onloaded_blocks"] * 16 == pytest.approx(tier["host_hit_rate"] * looked_up)
+    # tiny, float32 on the CPU: 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 bytes per block.
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    assert tier["offloaded_bytes"] == tier["num_offloaded_blocks"] * block_bytes
+    assert tier["onloaded_bytes"] == tier["num_onloaded_blocks"] * block_bytes
+    assert "host tier of 512 blocks" in done.stderr, done.stderr
+    for row in ("of which on the device", "of which in the host tier (512 blocks)",
+                "host tier: offloaded (device -> host)", "host tier: onloaded (host -> device)"):  # fmt: skip
+        assert row in done.stdout, done.stdout
+    assert f"{tier['num_onloaded_blocks']:,} blocks ({tier['onloaded_bytes'] / 2**20:,.1f} MiB)" in done.stdout
+
+
+def test_a_tier_copy_moves_every_layer_of_a_block_when_the_pool_is_all_full_attention():
+    full = pb.GroupConfig(group_id=0, kind=pb.GROUP_KIND_FULL_ATTENTION, block_size=16)
+    sliding = pb.GroupConfig(group_id=1, kind=pb.GROUP_KIND_SLIDING_WINDOW, block_size=16, sliding_window=64)
+    info = worker_pb2.GetWorkerInfoResponse(num_blocks=100, kv_cache_bytes=100 * 8192)
+    assert tier_block_bytes(pb.GetConfigResponse(num_host_blocks=10, groups=[full]), info) == 8192
+    # Sliding-window layers stay off the tier, and the worker's cache size does not tell them apart.
+    assert tier_block_bytes(pb.GetConfigResponse(num_host_blocks=10, groups=[full, sliding]), info) is None
+    assert tier_block_bytes(pb.GetConfigResponse(num_host_blocks=0, groups=[full]), info) is None
 
 
 def test_the_demo_routes_over_running_replicas(tmp_path):
@@ -124,6 +163,7 @@ def test_bad_flags_are_refused_naming_them(tmp_path):
         (["--trace", str(tmp_path / "missing.jsonl")], "not found"),
         (["--start", "-1"], "must be >= 0"),
         (["--start", "5000"], "--start 5000 is past the end of"),
+        (["--num-host-blocks", "-1"], "must be >= 0"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "kv_manager_service.cli", "demo", "--output-dir", str(tmp_path), *args],
@@ -143,6 +183,8 @@ def test_the_banner_counts_replicas_in_the_singular_and_plural():
 
 def test_the_report_gives_every_field_a_unit():
     assert set(REPORT_UNITS) == {field.name for field in dataclasses.fields(Report)}
+    assert REPORT_UNITS["host_tier"] == TIER_UNITS
+    assert set(TIER_UNITS) == {field.name for field in dataclasses.fields(TierReport)}
 
 
 def test_the_figure_legends_sit_outside_the_plotted_data():
