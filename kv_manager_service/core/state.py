@@ -11,11 +11,11 @@ links).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
-from kv_manager_service.core.host_tier import HostBlock, HostTier
+from kv_manager_service.core.host_tier import HostTier
 from kv_manager_service.core.invariants import check_invariants
 from kv_manager_service.core.ops import TierCopy
 from kv_manager_service.core.request import RequestState
@@ -156,16 +156,8 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
             f"has num_host_blocks {manager.config.num_host_blocks}"
         )
     pool = manager.pool
-    blocks = pool.blocks
-
-    def block(block_id: int) -> KVCacheBlock:
-        if not 0 <= block_id < pool.num_blocks:
-            raise ValueError(f"block id {block_id} is outside the pool of {pool.num_blocks} blocks")
-        return blocks[block_id]
-
-    for b in blocks:
-        b.prev_free = b.next_free = None
-    pool.free_queue = FreeBlockQueue([block(block_id) for block_id in state.free_block_ids])
+    block = _block_by_id(pool.blocks, "block", "the pool")
+    pool.free_queue = _fresh_free_queue(pool.blocks, state.free_block_ids, block)
     for group_id, block_hash, block_id in state.cached:
         b = block(block_id)
         b.block_hash, b.group_id = block_hash, group_id
@@ -215,16 +207,8 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
 
 def _restore_host_tier(host_tier: HostTier, state: HostTierState, last_step_id: int) -> None:
     """Make the fresh `host_tier` hold `state`; the caller checks the invariants after."""
-    blocks = host_tier.blocks
-
-    def host_block(block_id: int) -> HostBlock:
-        if not 0 <= block_id < host_tier.num_blocks:
-            raise ValueError(f"host block id {block_id} is outside the host tier of {host_tier.num_blocks} blocks")
-        return blocks[block_id]
-
-    for b in blocks:
-        b.prev_free = b.next_free = None
-    host_tier.free_queue = FreeBlockQueue([host_block(block_id) for block_id in state.free_host_block_ids])
+    host_block = _block_by_id(host_tier.blocks, "host block", "the host tier")
+    host_tier.free_queue = _fresh_free_queue(host_tier.blocks, state.free_host_block_ids, host_block)
     for group_id, block_hash, block_id in state.cached:
         if not 0 <= group_id < len(host_tier.cached):
             raise ValueError(f"host index group id {group_id} is outside the {len(host_tier.cached)} groups")
@@ -241,3 +225,23 @@ def _restore_host_tier(host_tier: HostTier, state: HostTierState, last_step_id: 
     host_tier.num_evictions = state.num_evictions
     host_tier.num_dropped_offloads = state.num_dropped_offloads
     host_tier.num_hit_tokens = state.num_hit_tokens
+
+
+def _block_by_id(blocks: Sequence[KVCacheBlock], noun: str, where: str) -> Callable[[int], KVCacheBlock]:
+    """`blocks[block_id]`, or ValueError naming the id and the range of `where`."""
+
+    def block(block_id: int) -> KVCacheBlock:
+        if not 0 <= block_id < len(blocks):
+            raise ValueError(f"{noun} id {block_id} is outside {where} of {len(blocks)} blocks")
+        return blocks[block_id]
+
+    return block
+
+
+def _fresh_free_queue(
+    blocks: Sequence[KVCacheBlock], free_ids: Sequence[int], block: Callable[[int], KVCacheBlock]
+) -> FreeBlockQueue:
+    """A free queue of `free_ids` in that order, every block's old links cleared first."""
+    for b in blocks:
+        b.prev_free = b.next_free = None
+    return FreeBlockQueue([block(block_id) for block_id in free_ids])
