@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 from concurrent import futures
 
@@ -30,6 +28,7 @@ from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
 from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, Role, ServerTLS, TokenTable
+from kv_manager_service.rpc.termination import TerminationSignals
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
@@ -273,12 +272,9 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
 def serve(options: WorkerOptions) -> int:
     """Run until SIGTERM or SIGINT."""
     running = start_worker(options)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = TerminationSignals()
     print(f"{WORKER_READY_PREFIX}{running.address}", flush=True)
-    while not stop.wait(1.0):
-        pass
-    log.info("shutting down, grace 5.0s")
+    received = signals.wait()
+    log.info("%s: shutting down, grace 5.0s", received.name)
     running.stop(grace_s=5.0)
     return 0

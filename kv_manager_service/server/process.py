@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -32,6 +31,7 @@ from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
 from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
+from kv_manager_service.rpc.termination import TerminationSignals
 from kv_manager_service.server.replica import Replica, ServiceLimits
 from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
 from kv_manager_service.server.tenancy import Tenancy
@@ -403,9 +403,7 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
     # defaults a 120k-block server paused ~30 ms every few hundred steps.
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = TerminationSignals()
     print(f"{MANAGER_READY_PREFIX}{running.address}", flush=True)
     log.info(
         "serving replica_id=%s incarnation=%d num_blocks=%d groups=%d",
@@ -419,8 +417,7 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
             "address": running.address,
         },
     )
-    while not stop.wait(1.0):
-        pass
-    log.info("shutting down, grace %.1fs", options.grace_s)
+    received = signals.wait()
+    log.info("%s: shutting down, grace %.1fs", received.name, options.grace_s)
     running.stop(options.grace_s)
     return 0
