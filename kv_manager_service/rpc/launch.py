@@ -209,6 +209,83 @@ def launch_redis(
             client.close()
 
 
+CLUSTER_BUS_OFFSET = 10_000  # a cluster node also listens on its port + 10000 (the cluster bus)
+
+
+def launch_redis_cluster(
+    ports: Sequence[int],
+    log_dir: Path,
+    *,
+    replicas_per_master: int = 0,
+    node_timeout_ms: int = 1000,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 30.0,
+) -> list[LaunchedProcess]:
+    """A Redis Cluster of `len(ports)` nodes on 127.0.0.1, `replicas_per_master` replicas per master.
+
+    Each node is `launch_redis` with cluster mode on, in its own folder under
+    `log_dir`; `redis-cli --cluster create` then spreads the 16384 slots over
+    the masters. Returns once every node reports `cluster_state:ok`, nodes in
+    `ports` order (`redis-cli` makes the first ones masters). Ports must be
+    below 55536, their bus ports free too (`free_cluster_port`). Every node
+    is killed when the cluster does not come up; raises NotReadyError then.
+    """
+    import redis
+
+    if len(ports) < 3 * (1 + replicas_per_master):
+        raise ValueError(f"a cluster needs at least 3 masters: {len(ports)} ports for {replicas_per_master} replicas each")
+    too_high = [port for port in ports if port + CLUSTER_BUS_OFFSET > 65535]
+    if too_high:
+        raise ValueError(f"ports {too_high} leave no cluster bus port (port + {CLUSTER_BUS_OFFSET}): use ports below 55536")
+    nodes: list[LaunchedProcess] = []
+    try:
+        for port in ports:
+            node_dir = log_dir / f"redis-cluster-{port}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(node_timeout_ms), *extra_args]  # fmt: skip
+            nodes.append(launch_redis(port, node_dir / "redis.log", args, timeout_s=timeout_s))
+        create = subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in ports),
+             "--cluster-replicas", str(replicas_per_master), "--cluster-yes"],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+        if create.returncode != 0:
+            raise NotReadyError(f"redis-cli --cluster create failed ({create.returncode}):\n{create.stdout}{create.stderr}")
+        deadline = time.monotonic() + timeout_s
+        for port in ports:
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0, decode_responses=True)
+            try:
+                while client.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                    if time.monotonic() > deadline:
+                        raise NotReadyError(f"the cluster node on port {port} is not ok within {timeout_s:g}s")
+                    time.sleep(PROBE_INTERVAL_S * 5)
+            finally:
+                client.close()
+    except BaseException:
+        for node in nodes:
+            node.kill()
+        raise
+    return nodes
+
+
+def free_cluster_port() -> int:
+    """A free loopback port below 55536 whose cluster bus port (+10000) is free too."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port + CLUSTER_BUS_OFFSET > 65535:
+            port -= 20_000  # the kernel's ephemeral range starts at 32768: this lands in 12768..35535
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+        except OSError:
+            continue
+        return port
+
+
 def free_port() -> int:
     """A TCP port free on the loopback now (for a server that must keep its port across restarts)."""
     with socket.socket() as sock:
