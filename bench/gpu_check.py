@@ -7,9 +7,13 @@ On a machine with a CUDA GPU and this repository installed with a CUDA build of 
    token against the dense pass; tests/gpu_worker/test_end_to_end.py -k triton), the same
    against transformers on real checkpoints (test_hf_checkpoints.py -k triton), then the
    kernel tests (tests/kernels) and the worker's device-path tests (`-m gpu` of
-   tests/gpu_worker/test_runner_gpu.py, test_sampling.py, test_staging.py) on the GPU;
+   tests/gpu_worker/test_runner_gpu.py, test_sampling.py, test_staging.py) on the GPU, and the
+   host tier's tests (test_worker_host_tier.py: overlapped offloads against the CPU copies,
+   generation through the tier with both backends);
 2. `kernels`: bench/kernels_gpu.py, decode paged attention's share of the HBM bandwidth;
-3. `worker`: generated tokens/s of a manager, a worker (`--device cuda --backend triton`,
+3. `tier-copy`: bench/tier_copy_bench.py at the worker model's shape in bfloat16: the host
+   tier's offload and onload rates per step size against the link's pinned D2H/H2D rate;
+4. `worker`: generated tokens/s of a manager, a worker (`--device cuda --backend triton`,
    the built-in 1B model `llama-3.2-1b` with random weights, bfloat16) and the reference
    scheduler replaying trace requests in waves (bench/e2e_bench.py's driver), after one
    untimed wave.
@@ -42,7 +46,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "kernels", "worker")
+STEPS = ("tests", "kernels", "tier-copy", "worker")
 WORKER_MODEL = "llama-3.2-1b"
 
 
@@ -150,6 +154,8 @@ def run_tests(out: Path, timeout_s: float) -> StepResult:
         # The worker's device path: one staging transfer per step, sampling on the device, host-side copy checks.
         "worker": ["-m", "gpu", "tests/gpu_worker/test_runner_gpu.py", "tests/gpu_worker/test_sampling.py",
                    "tests/gpu_worker/test_staging.py"],
+        # The host tier on CUDA: pinned buffer, offloads on a side stream, and generation through it.
+        "host-tier": ["tests/gpu_worker/test_worker_host_tier.py"],
     }
     ok, parts, files = True, [], []
     for name, args in suites.items():
@@ -183,6 +189,27 @@ def run_kernels(out: Path, timeout_s: float) -> StepResult:
     ok = code == 0 and row is not None
     result = f"decode attention {row[0]} TB/s, {row[1]} of the HBM peak" if row else f"no figure (exit {code})"
     return StepResult("kernels", ok, result, (table_path.name, log_path.name))
+
+
+def tier_copy_rates(table: str) -> dict[str, str]:
+    """direction -> GB/s of the largest step in bench/tier_copy_bench.py's table (its last rows)."""
+    rates = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[4] in ("offload", "onload", "contiguous copy, to host", "contiguous copy, to device"):
+            rates[cells[4]] = cells[5]
+    return rates
+
+
+def run_tier_copy(out: Path, timeout_s: float) -> StepResult:
+    """The host tier's copies at llama-3.2-1b's shape in bfloat16, against the link's pinned copy rate."""
+    table_path, log_path = out / "tier_copy.md", out / "tier_copy.log"
+    command = [sys.executable, "bench/tier_copy_bench.py", "--models", WORKER_MODEL, "--dtypes", "bfloat16"]
+    code = run_logged(command, log_path, timeout_s, stdout_path=table_path)
+    rates = tier_copy_rates(table_path.read_text()) if table_path.exists() else {}
+    ok = code == 0 and {"offload", "onload"} <= rates.keys()
+    result = ", ".join(f"{direction} {rate} GB/s" for direction, rate in rates.items()) or f"no figure (exit {code})"
+    return StepResult("tier-copy", ok, f"largest step: {result}", (table_path.name, log_path.name))
 
 
 def run_worker(out: Path, args: argparse.Namespace) -> StepResult:
@@ -290,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runners: dict[str, Callable[[], StepResult]] = {
         "tests": lambda: run_tests(out, args.step_timeout_s),
         "kernels": lambda: run_kernels(out, args.step_timeout_s),
+        "tier-copy": lambda: run_tier_copy(out, args.step_timeout_s),
         "worker": lambda: run_worker(out, args),
     }
     results = []

@@ -16,22 +16,34 @@ host block offloaded in the same step.
 The tier layers are those of the full-attention group (the manager puts no
 other kind of group behind the tier). The buffer is one tensor,
 `[num_host_blocks, num_tier_layers, 2, block_size, num_kv_heads, head_dim]`,
-so one host block, over every layer, is one contiguous region: a direction's
-copies are one gather on one side, one transfer, one scatter on the other.
-On CUDA the buffer is pinned, so the transfers are DMA, and the copies run on
-the current stream, ahead of the forward pass that reads their destinations.
+so one host block, over every layer, is one contiguous region, and each
+block crosses between host and device as one transfer.
 
-Both directions have finished with the host buffer when `offload` and
-`onload` return (an offload waits for its device-to-host transfer; an
-onload reads the buffer into a pinned staging tensor of its own before its
-transfer is queued), so the step may be acknowledged at once and the
-manager may reuse the host blocks it names.
+On a CPU both sides are RAM and each copy returns once it is done: an
+offload stacks a block's layers straight into its host block, an onload
+copies each layer's slice back, so every byte moves once.
 
-Next step, not done here: run offloads on a side stream that overlaps the
-forward pass. An offload reads a block that the same step may overwrite
-(as an onload or copy destination, or through the forward pass's own
-stores), so overlapping needs a device-side staging copy of the evicted
-blocks first, and an event that the host buffer's next reader waits on.
+On CUDA the buffer is pinned, every transfer is DMA, and offloads overlap
+the forward pass:
+
+- An offload first snapshots the evicted blocks into a device tensor, on the
+  compute stream. Everything the step queues after it (onloads and
+  copy-on-write copies into the same device blocks, the forward pass's
+  stores) runs after the snapshot, so the device blocks are free to reuse
+  at once. The device-to-host transfers of the snapshot then run on a side
+  stream, concurrently with the forward pass, and an event marks their end.
+- An onload that reads a host block an offload may still be writing makes
+  the compute stream wait for that event (a wait on the device, not on the
+  host); its host-to-device transfers then run on the compute stream, ahead
+  of the forward pass that reads their destinations.
+- The side stream waits for the compute stream before each batch of
+  offloads, so an offload never overwrites a host block that an earlier,
+  queued onload has yet to read.
+
+So the worker may acknowledge a step as soon as its copies are queued: the
+manager may then reuse the device and host blocks they name, and every later
+copy that touches them is ordered after them on the device. Nothing reads
+the host buffer on the host, except `synchronize()`'s callers.
 """
 
 from __future__ import annotations
@@ -83,9 +95,13 @@ class HostKVBuffer:
     ) -> None:
         """block_shape: one layer's block, `(2, block_size, num_kv_heads, head_dim)`; device: the caches' device."""
         self.device = device
-        self.blocks = torch.zeros(
-            (num_host_blocks, num_layers, *block_shape), dtype=dtype, pin_memory=device.type == "cuda"
-        )
+        on_cuda = device.type == "cuda"
+        self.blocks = torch.zeros((num_host_blocks, num_layers, *block_shape), dtype=dtype, pin_memory=on_cuda)
+        # CUDA only: the offloads' side stream, the end of the last batch it queued, and
+        # the host blocks written since that end was last seen (None / empty on a CPU).
+        self._offload_stream = torch.cuda.Stream(device) if on_cuda and num_host_blocks else None
+        self._offloaded = torch.cuda.Event() if self._offload_stream is not None else None
+        self._offloading: set[int] = set()
 
     @property
     def num_host_blocks(self) -> int:
@@ -98,41 +114,59 @@ class HostKVBuffer:
     def offload(
         self, caches: Sequence[torch.Tensor], device_block_ids: torch.Tensor, host_block_ids: Sequence[int]
     ) -> None:
-        """host[host_block_ids[i]] = every cache's block device_block_ids[i]; returns once the host buffer holds them.
+        """host[host_block_ids[i]] = every cache's block device_block_ids[i].
 
         caches: the tier layers' device caches, in the buffer's layer order.
         device_block_ids: int64 on the caches' device; host_block_ids distinct.
         Mutates the named host blocks only. Checked by the caller
-        (`check_tier_copies`).
+        (`check_tier_copies`). On CUDA it returns once the transfers are
+        queued (see the module docstring for what orders them).
         """
         if not host_block_ids:
             return
-        gathered = torch.stack([cache.index_select(0, device_block_ids) for cache in caches], dim=1)
-        if gathered.device.type != "cpu":
-            landed = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-            landed.copy_(gathered)  # blocking: the scatter below runs on the host
-            gathered = landed
-        self.blocks.index_copy_(0, torch.tensor(host_block_ids, dtype=torch.int64), gathered)
+        if self._offload_stream is None:
+            for device_block_id, host_block_id in zip(device_block_ids.tolist(), host_block_ids):
+                torch.stack([cache[device_block_id] for cache in caches], out=self.blocks[host_block_id])
+            return
+        snapshot = torch.stack([cache.index_select(0, device_block_ids) for cache in caches], dim=1)
+        self._offload_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._offload_stream):
+            for row, host_block_id in enumerate(host_block_ids):
+                self.blocks[host_block_id].copy_(snapshot[row], non_blocking=True)
+        snapshot.record_stream(self._offload_stream)  # kept from reuse until its transfers are done
+        self._offloaded.record(self._offload_stream)
+        self._offloading.update(host_block_ids)
 
     def onload(
         self, caches: Sequence[torch.Tensor], device_block_ids: torch.Tensor, host_block_ids: Sequence[int]
     ) -> None:
-        """Every cache's block device_block_ids[i] = host[host_block_ids[i]]; queued on the caches' device.
+        """Every cache's block device_block_ids[i] = host[host_block_ids[i]].
 
         device_block_ids: int64 on the caches' device, distinct. Mutates the
-        named device blocks only. The host buffer is read before this returns.
+        named device blocks only. On CUDA the copies are queued on the
+        current stream, after any offload still writing the host blocks read.
         """
         if not host_block_ids:
             return
-        host_ids = torch.tensor(host_block_ids, dtype=torch.int64)
-        if self.device.type == "cpu":
-            loaded = self.blocks.index_select(0, host_ids)
-        else:
-            # A fresh pinned tensor per call: torch's pinned-memory cache hands it out
-            # again only once the transfer that reads it has completed.
-            shape = (len(host_block_ids), *self.blocks.shape[1:])
-            staged = torch.empty(shape, dtype=self.blocks.dtype, pin_memory=True)
-            torch.index_select(self.blocks, 0, host_ids, out=staged)
-            loaded = staged.to(self.device, non_blocking=True)
+        if self._offload_stream is None:
+            for device_block_id, host_block_id in zip(device_block_ids.tolist(), host_block_ids):
+                block = self.blocks[host_block_id]
+                for layer, cache in enumerate(caches):
+                    cache[device_block_id].copy_(block[layer])
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self._offloading:
+            if self._offloaded.query():
+                self._offloading.clear()
+            elif not self._offloading.isdisjoint(host_block_ids):
+                compute.wait_event(self._offloaded)
+        loaded = torch.empty((len(host_block_ids), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device)
+        for row, host_block_id in enumerate(host_block_ids):
+            loaded[row].copy_(self.blocks[host_block_id], non_blocking=True)
         for layer, cache in enumerate(caches):
             cache.index_copy_(0, device_block_ids, loaded[:, layer])
+
+    def synchronize(self) -> None:
+        """Return once every queued copy to or from the host buffer is done (then it may be read on the host)."""
+        if self._offload_stream is not None:
+            torch.cuda.synchronize(self.device)

@@ -148,8 +148,9 @@ class ModelRunner:
 
         The moves run in the contract's order, all before the step's forward
         pass: offloads (device -> host), onloads (host -> device), then the
-        copy-on-write copies; each direction is one batched copy over every
-        tier layer. Raises FailedPreconditionError, having changed nothing
+        copy-on-write copies. On CUDA the offloads' transfers overlap the
+        forward pass, ordered against every later use of their blocks (see
+        `gpu_worker.host_tier`). Raises FailedPreconditionError, having changed nothing
         (tables, device and host KV, last_applied_step_id), when the delta
         names a group or a block id outside the pool or the host tier, or two
         of its moves write one block (see `check_copies`, `check_tier_copies`),

@@ -49,13 +49,24 @@ def gpu_check() -> Iterator[ModuleType]:
 
 def test_steps_run_in_their_fixed_order_and_unknown_ones_are_refused(gpu_check, capsys) -> None:
     parse = gpu_check.make_parser().parse_args
-    assert parse([]).steps == ("tests", "kernels", "worker")
-    assert parse(["--steps", "worker, tests"]).steps == ("tests", "worker")
+    assert parse([]).steps == ("tests", "kernels", "tier-copy", "worker")
+    assert parse(["--steps", "worker, tests,tier-copy"]).steps == ("tests", "tier-copy", "worker")
     for bad in (["--steps", "tests,bench"], ["--steps", ","], ["--batch", "0"]):
         with pytest.raises(SystemExit) as exited:
             parse(bad)
         assert exited.value.code == 2, bad
-    assert "steps are among tests, kernels, worker" in capsys.readouterr().err
+    assert "steps are among tests, kernels, tier-copy, worker" in capsys.readouterr().err
+
+
+def test_the_tier_copy_step_reads_the_largest_step_of_the_bench_table(gpu_check) -> None:
+    table = """| model | dtype | blocks per step | MiB per step | direction | GB/s (median) | rounds' range |
+|---|---|---:|---:|---|---:|---|
+| llama-3.2-1b | bfloat16 | 16 | 8.00 | offload | 20.10 | 19.00-21.00 |
+| llama-3.2-1b | bfloat16 | 256 | 128.00 | offload | 48.20 | 47.00-49.00 |
+| llama-3.2-1b | bfloat16 | 256 | 128.00 | onload | 45.70 | 44.00-46.00 |
+| llama-3.2-1b | bfloat16 | 256 | 128.00 | contiguous copy, to host | 52.00 | 51.00-53.00 |
+"""
+    assert gpu_check.tier_copy_rates(table) == {"offload": "48.20", "onload": "45.70", "contiguous copy, to host": "52.00"}
 
 
 def test_without_cuda_it_stops_at_once_and_writes_nothing(tmp_path) -> None:

@@ -18,6 +18,7 @@ from devices import DEVICE
 from e2e_support import DenseOracle, start_stack, stop_stack
 
 import kernels
+from gpu_worker.host_tier import HostKVBuffer
 from gpu_worker.memory_budget import HostMemoryError, available_host_bytes, check_host_memory, host_tier_bytes
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import BUILTIN_MODELS
@@ -99,14 +100,48 @@ def test_on_cuda_the_host_buffer_is_pinned_and_the_copies_keep_their_order():
     runner = make_runner(device=torch.device("cuda"))
     full, host = runner.kv_caches[FULL_LAYER], runner.host_kv.blocks
     assert host.is_pinned() and host.device == CPU
-    evicted, incoming = full[5].cpu(), host[2, 0].clone()
+    evicted, incoming, twelve = full[5].cpu(), host[2, 0].clone(), full[12].cpu()
 
     runner.apply_step(tier_delta(1, offloads=[(5, 3)], onloads=[(5, 2), (7, 3)], copies=[(5, 9)]))
-    host[2].zero_()  # the host may reuse its blocks once the step is applied: the device copies are its own
+    # The next step reuses both host blocks at once, while step 1's copies may still be queued:
+    # host 2, which an onload of step 1 reads, is overwritten; host 3, which an offload of step 1
+    # writes, is read back.
+    runner.apply_step(tier_delta(2, offloads=[(12, 2)], onloads=[(11, 3)]))
+    runner.host_kv.synchronize()
 
-    assert torch.equal(host[3, 0], evicted)
+    assert torch.equal(host[3, 0], evicted) and torch.equal(full[11].cpu(), evicted)
     assert torch.equal(full[5].cpu(), incoming) and torch.equal(full[9].cpu(), incoming)
     assert torch.equal(full[7].cpu(), evicted)
+    assert torch.equal(host[2, 0], twelve)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_on_cuda_overlapped_offloads_give_what_the_cpu_copies_give_over_many_steps():
+    """Random steps of offloads and onloads that reuse blocks at once, on blocks large enough for the
+    transfers to overlap: the CUDA path (side stream, events) ends with the CPU path's bytes."""
+    shape, num_layers, num_blocks, num_host_blocks = (2, 16, 8, 128), 4, 48, 32
+    generator = torch.Generator().manual_seed(1)
+    initial = [torch.randn((num_blocks, *shape), generator=generator) for _ in range(num_layers)]
+    cuda = torch.device("cuda")
+    sides = {
+        device: ([cache.clone().to(device) for cache in initial],
+                 HostKVBuffer(num_host_blocks, num_layers, shape, torch.float32, device))
+        for device in (CPU, cuda)
+    }  # fmt: skip
+    rng = random.Random(2)
+    for _ in range(40):
+        size = rng.randrange(1, 12)
+        offloads = list(zip(rng.sample(range(num_blocks), size), rng.sample(range(num_host_blocks), size)))
+        onloads = list(zip(rng.sample(range(num_blocks), size), rng.sample(range(num_host_blocks), size)))
+        for device, (caches, host) in sides.items():
+            for pairs, move in ((offloads, host.offload), (onloads, host.onload)):
+                device_ids = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=device)
+                move(caches, device_ids, [h for _, h in pairs])
+    (cpu_caches, cpu_host), (cuda_caches, cuda_host) = sides[CPU], sides[cuda]
+    cuda_host.synchronize()
+    assert torch.equal(cuda_host.blocks, cpu_host.blocks)
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu_caches, cuda_caches))
 
 
 def test_an_onload_sees_an_offload_of_the_same_step_and_copies_see_the_onloads():
