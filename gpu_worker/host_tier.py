@@ -16,8 +16,8 @@ host block offloaded in the same step.
 The tier layers are those of the full-attention group (the manager puts no
 other kind of group behind the tier). The buffer is one tensor,
 `[num_host_blocks, num_tier_layers, 2, block_size, num_kv_heads, head_dim]`,
-so one host block, over every layer, is one contiguous region, and each
-block crosses between host and device as one transfer.
+so one host block, over every layer, is one contiguous region, and so is a
+run of consecutive host blocks: on CUDA each run crosses as one transfer.
 
 On a CPU both sides are RAM and each copy returns once it is done: an
 offload stacks a block's layers straight into its host block, an onload
@@ -82,6 +82,19 @@ def check_tier_copies(
         written.add(target)
 
 
+def consecutive_runs(host_block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(row, first host block, count) per maximal run of consecutive ids: rows row..row+count-1 of a step's
+    copies touch host blocks first..first+count-1, one contiguous region, so one transfer moves them."""
+    runs: list[tuple[int, int, int]] = []
+    for row, host_block_id in enumerate(host_block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == host_block_id:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((row, host_block_id, 1))
+    return runs
+
+
 class HostKVBuffer:
     """The host tier's blocks for the tier layers; copies to and from the device caches of those layers."""
 
@@ -131,8 +144,8 @@ class HostKVBuffer:
         snapshot = torch.stack([cache.index_select(0, device_block_ids) for cache in caches], dim=1)
         self._offload_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._offload_stream):
-            for row, host_block_id in enumerate(host_block_ids):
-                self.blocks[host_block_id].copy_(snapshot[row], non_blocking=True)
+            for row, first, count in consecutive_runs(host_block_ids):
+                self.blocks[first : first + count].copy_(snapshot[row : row + count], non_blocking=True)
         snapshot.record_stream(self._offload_stream)  # kept from reuse until its transfers are done
         self._offloaded.record(self._offload_stream)
         self._offloading.update(host_block_ids)
@@ -161,8 +174,8 @@ class HostKVBuffer:
             elif not self._offloading.isdisjoint(host_block_ids):
                 compute.wait_event(self._offloaded)
         loaded = torch.empty((len(host_block_ids), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device)
-        for row, host_block_id in enumerate(host_block_ids):
-            loaded[row].copy_(self.blocks[host_block_id], non_blocking=True)
+        for row, first, count in consecutive_runs(host_block_ids):
+            loaded[row : row + count].copy_(self.blocks[first : first + count], non_blocking=True)
         for layer, cache in enumerate(caches):
             cache.index_copy_(0, device_block_ids, loaded[:, layer])
 

@@ -18,7 +18,7 @@ from devices import DEVICE
 from e2e_support import DenseOracle, start_stack, stop_stack
 
 import kernels
-from gpu_worker.host_tier import HostKVBuffer
+from gpu_worker.host_tier import HostKVBuffer, consecutive_runs
 from gpu_worker.memory_budget import HostMemoryError, available_host_bytes, check_host_memory, host_tier_bytes
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import BUILTIN_MODELS
@@ -115,6 +115,14 @@ def test_on_cuda_the_host_buffer_is_pinned_and_the_copies_keep_their_order():
     assert torch.equal(host[2, 0], twelve)
 
 
+def host_ids(rng: random.Random, num_host_blocks: int, size: int) -> list[int]:
+    """Distinct host ids: scattered, or one run of consecutive ones (which cross as one transfer)."""
+    if rng.random() < 0.5:
+        return rng.sample(range(num_host_blocks), size)
+    first = rng.randrange(num_host_blocks - size + 1)
+    return list(range(first, first + size))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 def test_on_cuda_overlapped_offloads_give_what_the_cpu_copies_give_over_many_steps():
@@ -132,8 +140,9 @@ def test_on_cuda_overlapped_offloads_give_what_the_cpu_copies_give_over_many_ste
     rng = random.Random(2)
     for _ in range(40):
         size = rng.randrange(1, 12)
-        offloads = list(zip(rng.sample(range(num_blocks), size), rng.sample(range(num_host_blocks), size)))
-        onloads = list(zip(rng.sample(range(num_blocks), size), rng.sample(range(num_host_blocks), size)))
+        offloads, onloads = (
+            list(zip(rng.sample(range(num_blocks), size), host_ids(rng, num_host_blocks, size))) for _ in range(2)
+        )
         for device, (caches, host) in sides.items():
             for pairs, move in ((offloads, host.offload), (onloads, host.onload)):
                 device_ids = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=device)
@@ -287,3 +296,8 @@ def test_available_host_memory_is_read_from_meminfo(tmp_path):
     meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:    250 kB\n")
     assert available_host_bytes(str(meminfo)) == 250 * 1024
     assert available_host_bytes(str(tmp_path / "missing")) is None
+
+
+def test_consecutive_host_blocks_cross_as_one_run():
+    assert consecutive_runs([]) == []
+    assert consecutive_runs([4, 5, 6, 2, 3, 9, 8]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1), (6, 8, 1)]
