@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 import torch
@@ -28,7 +29,7 @@ from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
 from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
 from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, Role, ServerTLS, TokenTable
-from kv_manager_service.rpc.termination import TerminationSignals
+from kv_manager_service.rpc.termination import TerminationSignals, exit_now
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
@@ -269,12 +270,12 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     return RunningWorker(server, servicer, f"{options.host}:{port}", metrics)
 
 
-def serve(options: WorkerOptions) -> int:
-    """Run until SIGTERM or SIGINT."""
+def serve(options: WorkerOptions) -> NoReturn:
+    """Run until SIGTERM or SIGINT, stop cleanly, then end the process with code 0 (`exit_now`)."""
     running = start_worker(options)
     signals = TerminationSignals()
     print(f"{WORKER_READY_PREFIX}{running.address}", flush=True)
     received = signals.wait()
     log.info("%s: shutting down, grace 5.0s", received.name)
     running.stop(grace_s=5.0)
-    return 0
+    exit_now(0)

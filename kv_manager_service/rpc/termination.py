@@ -9,9 +9,13 @@ So the handler takes no lock, and the waiting loop polls.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 import time
 from types import FrameType
+from typing import NoReturn
 
 TERMINATION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -41,3 +45,17 @@ class TerminationSignals:
         """Put back the handlers that were installed before."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` once its server has shut down, skipping the interpreter's teardown.
+
+    Everything of ours is closed by then; what the teardown adds is the
+    libraries' own cleanup: torch's alone takes about 0.6 s of CPU, which a
+    busy machine stretches past a supervisor's grace period (the process is
+    then killed mid-exit). Logs and stdio are flushed first.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -47,3 +47,22 @@ def test_the_previous_handlers_come_back():
     assert signal.getsignal(signal.SIGTERM) != before and signals.received is None
     signals.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_exit_now_ends_the_process_with_its_code_after_flushing_logs_and_stdout():
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(
+            """
+            import logging, sys
+            from kv_manager_service.rpc.termination import exit_now
+            logging.basicConfig(stream=sys.stderr)
+            logging.getLogger("t").warning("last words")
+            print("buffered", end="")
+            exit_now(3)
+            print("never")
+            """
+        )],
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert child.returncode == 3
+    assert child.stdout == "buffered" and "last words" in child.stderr
