@@ -1,6 +1,7 @@
 """Benchmarks of the Redis mirror of the prefix index, against real server processes.
 
-Starts its own `redis-server` on a free port (no persistence) and six
+Starts its own `redis-server` on a free port (no persistence; with
+`--topology cluster` a Redis Cluster of 3 masters instead) and six
 `python -m kv_manager_service.cli serve --port 0` processes at once, as a
 user would: "off" (no mirror), "on" (`--redis-url`), and four mirrored
 cluster replicas c0..c3 under their own `--model-name`. The client stays in
@@ -9,10 +10,12 @@ it lives:
 
 1. Step latency, mirror on vs off, and 2. mirror lag:
    `bench/mirror_writer_bench.py`.
-3. Cluster lookup of an 8192-token prompt across 4 replicas:
+3. Cluster lookup of an 8192-token prompt across 4 replicas, and 3b. how
+   a lookup grows with 4 to 64 replicas and 1k to 32k-token prompts:
    `bench/cluster_lookup_bench.py`.
-4. A routing simulation on the Mooncake synthetic trace with 4 replicas,
-   in-process (no Redis): `bench/routing_sim.py`.
+4. A routing simulation on the Mooncake synthetic trace with 4, 16 and 64
+   replicas, in-process (no Redis): `bench/routing_sim.py` (its flags, e.g.
+   `--sim-replicas 4` for a shorter run).
 
 Sections 1 to 3 run every round, so they see the same moments of a noisy
 machine (section 1 alternates which server goes first, chunk by chunk, and
@@ -22,6 +25,7 @@ shows the lowest and highest round's p50. Section 4 runs last.
 
     python bench/mirror_bench.py            # full run, about 1.5 minutes on 2 cores
     python bench/mirror_bench.py --quick    # smoke run
+    python bench/mirror_bench.py --topology cluster   # against a Redis Cluster of 3 masters
 """
 
 from __future__ import annotations
@@ -58,15 +62,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     hasher = server_hasher()
     schema_on, schema_cluster = server_schema(writer.MODEL_ON), server_schema(lookup.MODEL_CLUSTER)
     results = Results()
-    with Rig(args.redis_server) as rig:
+    with Rig(args.redis_server, args.topology) as rig:
         rig.start_servers(writer.server_commands(writer_plan, rig.redis_url) | lookup.server_commands(rig.redis_url))
         poller = rig.redis_client()
         reader = ClusterIndex(rig.redis_client(), schema_cluster)
         setup = lookup.prepare_cluster(lookup.replicas_of(rig.servers), poller, hasher, schema_cluster)
+        compared_class = lookup.load_lookup(lookup_plan.compare_lookup) if lookup_plan.compare_lookup else None
+        cases = lookup.prepare_scaling(poller, lookup_plan) if "scaling" in lookup_plan.sections else []
+        node_clients = rig.node_clients()
+
+        def make_index(index_class, schema):
+            return index_class(rig.redis_client(), schema)
 
         def one_round(index: int) -> list[str]:
-            writer.run_round(index, writer_plan, rig.servers, rig.redis.pid, poller, schema_on, hasher, results)
+            writer.run_round(index, writer_plan, rig.servers, rig.redis_pids, poller, schema_on, hasher, results)
             lookup.section_cluster(index, lookup_plan, rig.servers["c0"], setup, reader, hasher, results)
+            if cases:
+                lookup.section_scaling(index, lookup_plan, cases, make_index, node_clients, results, compared_class)
             return [writer.progress(results), lookup.progress(results)]
 
         run_rounds(writer_plan.rounds, one_round)
@@ -76,9 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bound = (0, 1)
     if not args.skip_sim:
         sims, bound = routing_sim.run_simulations(sim_plan, args.trace)
-    lines = header(start, rig.redis_version, [writer.servers_text(rig.servers), lookup.servers_text()],
-                   writer_plan.rounds, [writer.each_round_text(writer_plan), lookup.each_round_text(lookup_plan)])
-    lines += writer.rows(results, writer_plan) + lookup.rows(results)
+    servers = [writer.servers_text(rig.servers, rig.topology), lookup.servers_text(rig.topology)]
+    lines = header(start, rig.redis_version, servers, writer_plan.rounds,
+                   [writer.each_round_text(writer_plan), lookup.each_round_text(lookup_plan)])
+    lines += writer.rows(results, writer_plan) + lookup.rows(results, rig.topology)
+    if cases:
+        lines += lookup.scaling_rows(lookup_plan, rig.topology, results)
     if sims:
         lines += routing_sim.render_sim(sims, bound, sim_plan, args.trace)
     print("\n".join(lines))

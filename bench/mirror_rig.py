@@ -1,9 +1,11 @@
-"""What the Redis-mirror benchmarks run against: a private redis-server and `kv-manager serve` replicas.
+"""What the Redis-mirror benchmarks run against: a private Redis and `kv-manager serve` replicas.
 
 Every process is started as a user starts it (`kv_manager_service.rpc.launch`)
 on loopback, the client staying in the bench process: `redis-server` on a
-free port without persistence, then `python -m kv_manager_service.cli serve
---port 0 ...` replicas, all at once. Also what the benchmarks share about
+free port without persistence (`--topology single`), or a Redis Cluster of 3
+such masters (`--topology cluster`, the servers given its first node's URL),
+then `python -m kv_manager_service.cli serve --port 0 ...` replicas, all at
+once. Also what the benchmarks share about
 them: the pool shape `serve` builds, random prompts, and a tight poll until a
 block's key names a replica in Redis.
 """
@@ -27,12 +29,21 @@ from process_cpu import cpu_s
 from kv_manager_service import cli
 from kv_manager_service.core import BlockHasher, KVCacheConfig
 from kv_manager_service.mirror.schema import KeySchema
-from kv_manager_service.rpc.launch import LaunchedProcess, free_port, launch_many, launch_redis
+from kv_manager_service.rpc.launch import (
+    LaunchedProcess,
+    free_cluster_port,
+    free_port,
+    launch_many,
+    launch_redis,
+    launch_redis_cluster,
+)
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
+TOPOLOGIES = ("single", "cluster")
+NUM_CLUSTER_MASTERS = 3
 BLOCK_SIZE = 16  # the server's default pool: one full-attention group of 16-token blocks
 VOCAB_SIZE = 150_000
 SERVER_STOP_TIMEOUT_S = 15.0
@@ -50,6 +61,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def add_redis_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "/usr/bin/redis-server",
                         help="the redis-server binary to start (default %(default)s)")  # fmt: skip
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="single",
+                        help="one redis-server, or a Redis Cluster of 3 masters (default %(default)s)")  # fmt: skip
 
 
 def num_rounds(args: argparse.Namespace) -> int:
@@ -101,29 +114,57 @@ class MirrorServer:
 
 
 class Rig:
-    """A private redis-server and the servers started against it; `close` stops them all.
+    """A private Redis (one server or a cluster) and the servers started against it; `close` stops them all.
 
     The logs live in a temporary directory, removed on close; what a server
-    logged (warnings and errors) is printed to stderr then.
+    logged (warnings and errors) is printed to stderr then. `redis` is the
+    first (or only) node; `redis_nodes` every node.
     """
 
-    def __init__(self, redis_binary: str) -> None:
+    def __init__(self, redis_binary: str, topology: str = "single") -> None:
+        assert topology in TOPOLOGIES, topology
         self.started_ns = now_ns()
+        self.topology = topology
         self._directory = tempfile.TemporaryDirectory(prefix="mirror_bench_")
         self.directory = Path(self._directory.name)
         self.servers: dict[str, MirrorServer] = {}
         try:
-            self.redis = launch_redis(free_port(), self.directory / "redis.log", binary=redis_binary)
+            if topology == "cluster":
+                ports = []
+                while len(ports) < NUM_CLUSTER_MASTERS:
+                    port = free_cluster_port()
+                    if port not in ports:
+                        ports.append(port)
+                self.redis_nodes = launch_redis_cluster(ports, self.directory)
+            else:
+                self.redis_nodes = [launch_redis(free_port(), self.directory / "redis.log", binary=redis_binary)]
         except NotReadyError as error:
             self._directory.cleanup()
             raise SystemExit(f"redis-server did not start: {error}") from None
+        self.redis = self.redis_nodes[0]
         self.redis_url = f"redis://{self.redis.address}/0"
-        client = self.redis_client()
+        client = self.node_client(self.redis)
         self.redis_version = client.info("server").get("redis_version", "?")
         client.close()
 
-    def redis_client(self) -> redis.Redis:
+    @property
+    def redis_pids(self) -> list[int]:
+        return [node.pid for node in self.redis_nodes]
+
+    def redis_client(self) -> redis.Redis | redis.RedisCluster:
+        """A client of the Redis, as a user's: a cluster client on a cluster."""
         host, port = self.redis.address.rsplit(":", 1)
+        if self.topology == "cluster":
+            return redis.RedisCluster(host=host, port=int(port))
+        return redis.Redis(host=host, port=int(port))
+
+    def node_clients(self) -> list[redis.Redis]:
+        """A plain client per node (node-wide commands: INFO, FLUSHALL)."""
+        return [self.node_client(node) for node in self.redis_nodes]
+
+    @staticmethod
+    def node_client(node: LaunchedProcess) -> redis.Redis:
+        host, port = node.address.rsplit(":", 1)
         return redis.Redis(host=host, port=int(port))
 
     def start_servers(self, commands: Mapping[str, Sequence[str]]) -> None:
@@ -146,7 +187,8 @@ class Rig:
 
     def close(self) -> None:
         logs = {name: server.stop() for name, server in self.servers.items()}
-        self.redis.stop()
+        for node in self.redis_nodes:
+            node.stop()
         self._directory.cleanup()
         for name, text in logs.items():
             if text.strip():
@@ -181,7 +223,8 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
 
 
-def wait_visible(client: redis.Redis, key: str, field_name: str, value: bytes, timeout_s: float = 30) -> int:
+def wait_visible(client: redis.Redis | redis.RedisCluster, key: str, field_name: str, value: bytes,
+                 timeout_s: float = 30) -> int:
     """Poll HGET key field in a tight loop until it equals `value`; returns perf_counter_ns when seen."""
     hget = client.hget
     deadline = now_ns() + int(timeout_s * 1e9)

@@ -41,6 +41,9 @@ per-round figure; ratios are per round, then the median. The spread shows
 the lowest and highest round's p50. `bench/mirror_bench.py` runs these
 sections together with the others.
 
+`--topology cluster` mirrors into a Redis Cluster of 3 masters instead of
+one redis-server (the Redis CPU figure then sums every node).
+
     python bench/mirror_writer_bench.py            # full run
     python bench/mirror_writer_bench.py --quick    # smoke run
 """
@@ -145,6 +148,11 @@ def plan_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     )
 
 
+def redis_cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds of every Redis node so far."""
+    return sum(cpu_s(pid) for pid in pids)
+
+
 def server_commands(plan: WriterPlan, redis_url: str) -> dict[str, list[str]]:
     """The "off" server (no mirror) and the "on" server (mirrored into `redis_url`), the same pool."""
     return {
@@ -190,7 +198,7 @@ def admit(server: MirrorServer, work: StepWork, results: Results, tag: str, poll
 
 
 def decode_chunks(plan: WriterPlan, servers: dict[str, MirrorServer], stubs: dict, work: StepWork, order: list[str],
-                  first_step: int, num_steps: int, gap_s: float, redis_pid: int, results: Results, prefix: str) -> None:
+                  first_step: int, num_steps: int, gap_s: float, redis_pids: Sequence[int], results: Results, prefix: str) -> None:
     """`num_steps` decode Steps on each server, alternating in chunks of BLOCK_SIZE (one fill each), the first
     server swapping every chunk; with `gap_s`, the client sleeps that long before each Step (a model's forward
     pass), so a background thread of the server can run between Steps."""
@@ -204,7 +212,7 @@ def decode_chunks(plan: WriterPlan, servers: dict[str, MirrorServer], stubs: dic
         for tag in (order if chunk % 2 == 0 else order[::-1]):
             stub, server = stubs[tag], servers[tag]
             own_samples, own_filled = samples[tag], filled[tag]
-            cpu0, redis0 = server.cpu_s(), cpu_s(redis_pid)
+            cpu0, redis0 = server.cpu_s(), redis_cpu_s(redis_pids)
             for i in range(first_step + chunk * BLOCK_SIZE, first_step + (chunk + 1) * BLOCK_SIZE):
                 if gap_s:
                     time.sleep(gap_s)
@@ -216,7 +224,7 @@ def decode_chunks(plan: WriterPlan, servers: dict[str, MirrorServer], stubs: dic
                 assert len(statuses) == n and all(x == OK for x in statuses), "a decode op got NO_SPACE"
                 own_filled.append(len(response.decode.changes) > 0)
             cpu[tag] += server.cpu_s() - cpu0
-            redis_cpu[tag] += cpu_s(redis_pid) - redis0
+            redis_cpu[tag] += redis_cpu_s(redis_pids) - redis0
     steps = num_chunks * BLOCK_SIZE
     s = results.get_series
     for tag in ("off", "on"):
@@ -235,7 +243,7 @@ def decode_chunks(plan: WriterPlan, servers: dict[str, MirrorServer], stubs: dic
         s(f"{prefix}ratio:{key}").add_value(s(f"{prefix}on:{key}").p50[-1] / s(f"{prefix}off:{key}").p50[-1])
 
 
-def section_step(index: int, plan: WriterPlan, servers: dict[str, MirrorServer], redis_pid: int, poller: redis.Redis,
+def section_step(index: int, plan: WriterPlan, servers: dict[str, MirrorServer], redis_pids: Sequence[int], poller: redis.Redis,
                  schema: KeySchema, hasher: BlockHasher, results: Results) -> None:
     """Both servers hold the same requests and run the same Steps, interleaved in chunks (decode_chunks), so
     both see the same moments of a noisy machine while the on-server's writer has its own chunk to publish in."""
@@ -247,10 +255,10 @@ def section_step(index: int, plan: WriterPlan, servers: dict[str, MirrorServer],
     for tag in order:
         for i in range(plan.warmup):
             stubs[tag].Step(work.decode[i % NUM_PREBUILT], timeout=30)
-    decode_chunks(plan, servers, stubs, work, order, plan.warmup, plan.steps, 0.0, redis_pid, results, "")
+    decode_chunks(plan, servers, stubs, work, order, plan.warmup, plan.steps, 0.0, redis_pids, results, "")
     if plan.paced_steps:
         decode_chunks(plan, servers, stubs, work, order, plan.warmup + plan.steps, plan.paced_steps,
-                      plan.gap_ms / 1e3, redis_pid, results, "paced:")
+                      plan.gap_ms / 1e3, redis_pids, results, "paced:")
     for tag in order:
         stubs[tag].Free(work.free, timeout=30)
     s = results.get_series
@@ -319,10 +327,10 @@ def section_lag(index: int, plan: WriterPlan, on: MirrorServer, poller: redis.Re
     s("mirror:queue_depth").add_value(stats.mirror_queue_depth)
 
 
-def run_round(index: int, plan: WriterPlan, servers: dict[str, MirrorServer], redis_pid: int, poller: redis.Redis,
+def run_round(index: int, plan: WriterPlan, servers: dict[str, MirrorServer], redis_pids: Sequence[int], poller: redis.Redis,
               schema: KeySchema, hasher: BlockHasher, results: Results) -> None:
     """Sections 1 and 2, one round."""
-    section_step(index, plan, servers, redis_pid, poller, schema, hasher, results)
+    section_step(index, plan, servers, redis_pids, poller, schema, hasher, results)
     section_lag(index, plan, servers["on"], poller, hasher, schema, results)
 
 
@@ -337,9 +345,10 @@ def progress(results: Results) -> str:
 # -- report ------------------------------------------------------------------------
 
 
-def servers_text(servers: dict[str, MirrorServer]) -> str:
+def servers_text(servers: dict[str, MirrorServer], topology: str = "single") -> str:
     on_argv = shlex.join(["python", *servers["on"].argv[1:]])
-    return f"`{on_argv}` (\"on\"), the same without `--redis-url` (\"off\")"
+    redis_text = "one redis-server" if topology == "single" else "a Redis Cluster of 3 masters, the URL naming its first"
+    return f"`{on_argv}` (\"on\", {redis_text}), the same without `--redis-url` (\"off\")"
 
 
 def each_round_text(plan: WriterPlan) -> str:
@@ -392,7 +401,8 @@ def rows(results: Results, plan: WriterPlan) -> list[str]:
             row("1", "  server process CPU per Step, on", s(f"{prefix}on:server_cpu"), "ms",
                 note="writer thread included"),
             row("1", "  ratio on / off, server CPU", s(f"{prefix}ratio:server_cpu"), "x"),
-            row("1", "  redis-server CPU per Step, during the on-server's Steps", s(f"{prefix}on:redis_cpu"), "ms"),
+            row("1", "  redis-server CPU per Step, during the on-server's Steps", s(f"{prefix}on:redis_cpu"), "ms",
+                note="every node of a cluster"),
         ]
     lines += [
         row("1", f"admission Step ({n} prompts, {n * (PROMPT_LEN // BLOCK_SIZE):,} blocks, {cached_blocks:,} newly "
@@ -436,17 +446,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = RunStart.now()
     hasher, schema = server_hasher(), server_schema(MODEL_ON)
     results = Results()
-    with Rig(args.redis_server) as rig:
+    with Rig(args.redis_server, args.topology) as rig:
         rig.start_servers(server_commands(plan, rig.redis_url))
         poller = rig.redis_client()
 
         def one_round(index: int) -> list[str]:
-            run_round(index, plan, rig.servers, rig.redis.pid, poller, schema, hasher, results)
+            run_round(index, plan, rig.servers, rig.redis_pids, poller, schema, hasher, results)
             return [progress(results)]
 
         run_rounds(plan.rounds, one_round)
         poller.close()
-    lines = header(start, rig.redis_version, [servers_text(rig.servers)], plan.rounds, [each_round_text(plan)])
+    lines = header(start, rig.redis_version, [servers_text(rig.servers, rig.topology)], plan.rounds,
+                   [each_round_text(plan)])
     print("\n".join(lines + rows(results, plan)))
     return 0
 

@@ -1,4 +1,4 @@
-"""docker-compose.yml and docker-compose.gpu.yml, checked without a container engine.
+"""docker-compose.yml, docker-compose.gpu.yml and docker-compose.cluster.yml, checked without a container engine.
 
 - Valid: `docker-compose config -q` accepts the file, and the GPU override on top of it.
 - Wired: every command parses with the project's own parsers; every HOST:PORT
@@ -10,6 +10,10 @@
 - Runs: the same commands as local processes (compose_support translates
   hosts and ports, nothing else), in dependency order: Redis, both managers,
   both workers, every healthcheck, then the demo on a small workload.
+- The cluster profile (docker-compose.cluster.yml on top of the base file):
+  valid; it changes only the managers' --redis-url (and what they wait for);
+  wired as above; and run the same way: six cluster nodes, the create job,
+  both managers mirroring into the cluster and seeing each other's prefixes.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -37,17 +42,19 @@ from compose_support import (
     with_flag,
 )
 from processes import launch, launch_until_ready, stop_all
+from redis.cluster import ClusterNode
 
 from gpu_worker.cli import build_parser
 from kv_manager_service.cli import make_parser
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.launch import LaunchedProcess, free_cluster_port
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from kv_manager_service.mirror.schema import KeySchema
 from kvcache.v1 import kv_manager_pb2 as pb
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_FILE = ROOT / "docker-compose.gpu.yml"
+CLUSTER_FILE = ROOT / "docker-compose.cluster.yml"
 SERVICES = load_services(COMPOSE_FILE)
 MANAGERS = [n for n, s in SERVICES.items() if s.command[:2] == ("kv-manager", "serve")]
 WORKERS = [n for n, s in SERVICES.items() if s.command[:1] == ("gpu-worker",)]
@@ -79,7 +86,9 @@ def docker_compose(*args: str) -> subprocess.CompletedProcess:
 # -- valid compose -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("files", [[COMPOSE_FILE], [COMPOSE_FILE, GPU_FILE]], ids=["cpu", "gpu"])
+@pytest.mark.parametrize(
+    "files", [[COMPOSE_FILE], [COMPOSE_FILE, GPU_FILE], [COMPOSE_FILE, CLUSTER_FILE]], ids=["cpu", "gpu", "cluster"]
+)
 def test_compose_config_is_valid(files: list[Path]) -> None:
     result = docker_compose(*[arg for path in files for arg in ("-f", str(path))], "config", "-q")
     assert result.returncode == 0, result.stderr
@@ -267,7 +276,7 @@ def start_redis(plan: LocalPlan, name: str, directory: Path) -> LaunchedProcess:
     return launch_until_ready(
         plan.command(name),
         lambda: healthcheck(plan, name).returncode == 0,
-        plan.address(name, listen_ports(SERVICES[name])[0]),
+        plan.address(name, listen_ports(plan.services[name])[0]),
         directory / f"{name}.log",
         cwd=directory,
         timeout_s=READY_TIMEOUT_S,
@@ -336,3 +345,141 @@ def check_metrics(plan: LocalPlan) -> None:
         with urllib.request.urlopen(f"http://{plan.address(name, port)}/metrics", timeout=10) as response:
             body = response.read().decode()
         assert response.status == 200 and "# TYPE " in body, f"{name}'s /metrics:\n{body[:500]}"
+
+
+# -- the cluster profile ---------------------------------------------------------------
+
+
+def merge_compose(base: dict, override: dict) -> dict:
+    """`override` on top of `base` as compose merges files: mappings merge key by key, anything else is replaced."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_compose(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@pytest.fixture(scope="module")
+def cluster_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Service]:
+    """The services of the base file with the cluster profile on top."""
+    base = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+    override = yaml.safe_load(CLUSTER_FILE.read_text(encoding="utf-8"))
+    path = tmp_path_factory.mktemp("compose") / "merged.yml"
+    path.write_text(yaml.safe_dump({"services": merge_compose(base["services"], override["services"])}))
+    return load_services(path)
+
+
+def cluster_nodes(services: dict[str, Service]) -> list[str]:
+    return [n for n, s in services.items() if s.command[:1] == ("redis-server",) and "--cluster-enabled" in s.command]
+
+
+def test_the_cluster_profile_merges_as_compose_merges_it(cluster_services: dict[str, Service]) -> None:
+    result = docker_compose("-f", str(COMPOSE_FILE), "-f", str(CLUSTER_FILE), "config")
+    assert result.returncode == 0, result.stderr
+    merged = yaml.safe_load(result.stdout)["services"]
+    assert merged.keys() == cluster_services.keys()
+    for name, service in cluster_services.items():
+        assert tuple(str(a) for a in merged[name].get("command", ())) == service.command, name
+        conditions = {d: spec["condition"] for d, spec in merged[name].get("depends_on", {}).items()}
+        assert conditions == dict(service.depends_on), name
+
+
+def test_the_cluster_profile_changes_only_where_the_managers_mirror(cluster_services: dict[str, Service]) -> None:
+    nodes = cluster_nodes(cluster_services)
+    creators = [n for n, s in cluster_services.items() if "--cluster" in " ".join(s.command) and n not in nodes]
+    assert len(nodes) == 6 and len(creators) == 1, (nodes, creators)
+    assert set(cluster_services) == set(SERVICES) | set(nodes) | set(creators)
+    for name in MANAGERS:
+        cluster_args, base_args = vars(parse(cluster_services[name])), vars(parse(SERVICES[name]))
+        assert [host for host, _ in references([cluster_args.pop("redis_url")])] == [nodes[0]], name
+        base_args.pop("redis_url")
+        assert cluster_args == base_args, f"the cluster profile changes more of {name}'s command than --redis-url"
+        assert cluster_args["redis_cluster"] == "auto", name  # the manager finds out itself
+        assert cluster_services[name].depends_on[creators[0]] == "service_completed_successfully", name
+    for name in set(SERVICES) - set(MANAGERS):
+        assert cluster_services[name] == SERVICES[name], f"the cluster profile changes {name}"
+
+
+def test_the_cluster_profile_is_wired(cluster_services: dict[str, Service]) -> None:
+    nodes = cluster_nodes(cluster_services)
+    for name, service in cluster_services.items():
+        for host, port in references(service.command):
+            assert host in cluster_services and port in listen_ports(cluster_services[host]), (name, host, port)
+            assert service.depends_on.get(host) == "service_healthy", f"{name} refers to {host} without waiting for it"
+            assert cluster_services[host].healthcheck is not None, host
+    (creator,) = [n for n, s in cluster_services.items() if s.command[:1] == ("sh",)]
+    command = " ".join(cluster_services[creator].command)
+    assert [host for host, _ in references([command])] == nodes, "the create job must name every node, masters first"
+    assert "--cluster-replicas 1" in command and "--cluster-yes" in command
+    order = start_order(cluster_services)
+    assert order.index(creator) > max(order.index(node) for node in nodes)
+    assert all(order.index(name) > order.index(creator) for name in MANAGERS)
+
+
+def test_the_cluster_profile_runs_as_local_processes(cluster_services: dict[str, Service], tmp_path: Path) -> None:
+    """The nodes, the create job and both managers: each manager mirrors into the cluster and sees the other."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not installed (.ci/run installs them)")
+    nodes = cluster_nodes(cluster_services)
+    (creator,) = [n for n, s in cluster_services.items() if s.command[:1] == ("sh",)]
+    plan = LocalPlan(cluster_services, pick_port=free_cluster_port)  # a node's bus port is its port + 10000
+    processes: list[LaunchedProcess] = []
+    try:
+        for name in nodes:
+            (tmp_path / name).mkdir()  # each node its own nodes.conf, as each container has its own /data
+            processes.append(start_redis(plan, name, tmp_path / name))
+        # The compose file writes a literal $ as $$ (its own interpolation escape): the shell gets $.
+        argv = [arg.replace("$$", "$") for arg in plan.command(creator)]
+        created = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60)
+        assert created.returncode == 0, f"{creator}: {created.stdout}{created.stderr}"
+        for name in MANAGERS:
+            processes.append(
+                launch(plan.command(name), MANAGER_READY_PREFIX, tmp_path / f"{name}.log", env=plan.environment(name))
+            )
+            check_healthy(plan, name)
+        check_managers_share_the_cluster(plan, cluster_services, nodes)
+    finally:
+        failures = stop_all(processes)
+    assert not failures, "\n\n".join(failures)
+
+
+def check_managers_share_the_cluster(plan: LocalPlan, services: dict[str, Service], nodes: list[str]) -> None:
+    """A prompt cached on each manager is seen from the other, through the cluster."""
+    args = {name: parse(services[name]) for name in MANAGERS}
+    clients = {name: KVManagerClient(plan.address(name, args[name].port), timeout_s=10) for name in MANAGERS}
+    try:
+        prompts = {name: list(range(1 + 1000 * i, 1 + 1000 * i + 64)) for i, name in enumerate(MANAGERS)}
+        for name, client in clients.items():
+            result = client.allocate("warm", prompts[name], num_new_tokens=len(prompts[name]))
+            assert result.status.name == "OK", result
+            client.free(["warm"])
+        for asking, client in clients.items():
+            for name in MANAGERS:
+                own = client.find_cache_hit(prompts[name])[0].num_cached_tokens
+                expected = {args[m].replica_id: own if m == asking else 0 for m in MANAGERS}
+                expected[args[name].replica_id] = 48  # 4 full blocks of 16, the last token always computed
+
+                def answer() -> dict[str, int]:
+                    replicas = client.find_cache_hit(prompts[name], cluster=True)[1]
+                    return {r.replica_id: r.num_cached_tokens for r in replicas}
+
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                while answer() != expected and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert answer() == expected, f"{asking} sees {answer()} for {name}'s prompt, not {expected}"
+        for name, client in clients.items():
+            stats = client.stub.GetStats(pb.GetStatsRequest(), timeout=10)
+            assert stats.mirror_enabled and stats.mirror_failures == 0, f"{name}'s mirror: {stats}"
+        schema = KeySchema(args[MANAGERS[0]].model_name, clients[MANAGERS[0]].get_config().hash_algorithm)
+    finally:
+        for client in clients.values():
+            client.close()
+    startup = [ClusterNode("127.0.0.1", plan.local_port(name, 6379)) for name in nodes]
+    cluster = redis.RedisCluster(startup_nodes=startup, socket_timeout=5.0)
+    try:
+        assert {m.decode() for m in cluster.smembers(schema.replicas)} == {a.replica_id for a in args.values()}
+        assert sum(1 for _ in cluster.scan_iter(match=f"{schema.namespace}:block:*", count=1000)) > 0
+    finally:
+        cluster.close()

@@ -214,9 +214,25 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--redis-url",
-        help="mirror the prefix index (hashes only) to this Redis, e.g. redis://host:6379/0; "
-        "without it the index stays in-process",
+        help="mirror the prefix index (hashes only) to this Redis, e.g. redis://host:6379/0, or to the Redis "
+        "Cluster this node belongs to (see --redis-cluster); without it the index stays in-process",
     )
+    serve.add_argument(
+        "--redis-cluster", choices=("auto", "yes", "no"), default="auto",
+        help="whether --redis-url names a node of a Redis Cluster: auto asks that node (INFO cluster) on first "
+        "contact; no skips the question; yes refuses to start against a node with cluster mode off. On a "
+        "cluster every key goes to the master of its slot and writes are pipelined per node (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--redis-collect-interval-s", type=float, default=300.0, metavar="S",
+        help="the replicas' writers delete stale index fields (of earlier incarnations, of replicas gone for "
+        "good) at most once per this long, one writer at a time (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--redis-collect-after-s", type=float, default=600.0, metavar="S",
+        help="a replica id without a lease for this long is gone: its index fields are deleted and it leaves "
+        "the replica set (default %(default)s)",
+    )  # fmt: skip
     serve.add_argument("--model-name", default="default", help="namespaces the mirror's keys (default %(default)s)")
     serve.add_argument(
         "--lease-ttl-s", type=float, default=10.0,
@@ -310,6 +326,9 @@ def run_serve(args: argparse.Namespace) -> int:
             event_retention_bytes=args.event_retention_bytes,
         ),
         redis_url=args.redis_url,
+        redis_cluster=args.redis_cluster,
+        redis_collect_interval_s=args.redis_collect_interval_s,
+        redis_collect_after_s=args.redis_collect_after_s,
         model_name=args.model_name,
         lease_ttl_s=args.lease_ttl_s,
         worker_timeout_s=args.worker_timeout_s,

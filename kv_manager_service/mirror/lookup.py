@@ -1,12 +1,27 @@
 """Reading the Redis mirror: which live replica holds the longest prefix, and routing.
 
-A lookup is one pipelined round trip: the replica set, the leases of the
-replicas known so far, and the entry of every block hash of the request. A
-replica discovered by that round trip has its lease read by a second, small
-one (once). Per replica the prefix stops at its first block missing from
-both its tiers: it may hold some blocks of it on the device and some only in
-its host tier (schema.block_entry_value says which), in any order, as a
-local hit may continue from the device into the host tier.
+A lookup reads the replica set, the leases, and the block entries of the
+request in growing chunks, and stops as soon as no live replica matches any
+more. The first round trip reads the replica set, the leases of the
+replicas known so far and the first FIRST_CHUNK_BLOCKS entries; each later
+one reads the next chunk (CHUNK_GROWTH times as far as the last), and only
+the fields of the replicas that matched every block so far (HMGET; whole
+entries with HGETALL while more than HMGET_MAX_FIELDS still match). So a
+replica that stopped matching costs nothing further, a prompt that nobody
+holds costs one round trip, and one that a replica holds to its end costs a
+round trip per chunk (2 for 511 blocks). The first chunk reads the replicas
+that were alive at the last lookup only: a dead replica's entries, which
+stay until collected, cost nothing, and one that is new, or alive again,
+has its lease and first chunk read by one more, small round trip (once).
+Commands go out through `mirror.bulk`: packed in bulk, one batch per node
+on a Redis Cluster, all nodes in parallel. Each round trip has the whole
+budget (below).
+
+Per replica the prefix stops at its first block missing from both its
+tiers: it may hold some blocks of it on the device and some only in its
+host tier (schema.block_entry_value says which), in any order, as a local
+hit may continue from the device into the host tier. An entry counts only
+when its value names the incarnation of the replica's live lease.
 
 A lookup is on the RPC path, so it has a budget: its Redis client is its
 own (no lookup waits behind the writer's calls) and its socket timeout is
@@ -28,6 +43,7 @@ import redis
 
 from kv_manager_service.core.ops import PrefixLookupKeys
 from kv_manager_service.core.events import Tier
+from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.schema import (
     ClusterUnavailableError,
     KeySchema,
@@ -76,7 +92,8 @@ class ClusterIndex:
         self.client = client
         self.schema = schema
         self.skip_after_failure_s = skip_after_failure_s
-        self._known_replicas: tuple[str, ...] = ()
+        self._known_replicas: tuple[str, ...] = ()  # the replica set at the last lookup
+        self._live_replicas: tuple[str, ...] = ()  # those of them with a live lease then
         self._lock = threading.Lock()
         self._skip_until = 0.0  # monotonic; lookups before it do not call Redis
         self._failing = False  # the last lookup that called Redis failed
@@ -139,44 +156,119 @@ class ClusterIndex:
     def _lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[tuple[Lease, list[bool]]]:
         """Per live replica, its lease and, per block of its cached prefix, whether only its host holds it."""
         schema = self.schema
-        known = self._known_replicas
-        pipe = self.client.pipeline(transaction=False)
-        pipe.smembers(schema.replicas)
-        for replica_id in known:
-            pipe.get(schema.lease(replica_id))
-        for block_hash in block_hashes:
-            pipe.hgetall(schema.block(group_id, block_hash))
-        replies = pipe.execute()
+        client = self.client
+        known, live_before = self._known_replicas, self._live_replicas
+        first_end = min(len(block_hashes), FIRST_CHUNK_BLOCKS)
+        first_keys = [schema.block(group_id, h).encode() for h in block_hashes[:first_end]]
+        keys: list[str | bytes] = [schema.replicas, *(schema.lease(r) for r in known)]
+        commands = [bulk.pack_command("SMEMBERS", schema.replicas), *(GET.pack(key) for key in keys[1:])]
+        if live_before:
+            read_fields = _entry_read(live_before)
+            keys += first_keys
+            commands += [read_fields.pack(key) for key in first_keys]
+        replies = bulk.execute(client, keys, commands)
         members = sorted(_text(m) for m in replies[0])
-        leases = {r: Lease.from_json(r, text) for r, text in zip(known, replies[1 : 1 + len(known)]) if text}
-        entries = replies[1 + len(known) :]
+        prefixes: dict[str, _Prefix] = {}
+        _add_leases(prefixes, known, replies[1 : 1 + len(known)])
+        _extend(prefixes, live_before, replies[1 + len(known) :])
+        # Replicas whose first chunk is unread: new in the set (their leases unread too), or alive again.
         new = [r for r in members if r not in known]
-        if new:
-            pipe = self.client.pipeline(transaction=False)
-            for replica_id in new:
-                pipe.get(schema.lease(replica_id))
-            for replica_id, text in zip(new, pipe.execute()):
-                if text:
-                    leases[replica_id] = Lease.from_json(replica_id, text)
+        late = [r for r in prefixes if r not in live_before]
+        if new or late:
+            read_fields = _entry_read(late + new)
+            lease_keys = [schema.lease(r) for r in new]
+            commands = [GET.pack(k) for k in lease_keys] + [read_fields.pack(k) for k in first_keys]
+            replies = bulk.execute(client, lease_keys + first_keys, commands)
+            _add_leases(prefixes, new, replies[: len(new)])
+            _extend(prefixes, late + new, replies[len(new) :])
         self._known_replicas = tuple(members)
+        self._live_replicas = tuple(prefixes)
 
-        prefixes = []
-        for replica_id, lease in leases.items():
-            field = replica_id.encode()
-            incarnation = str(lease.incarnation)
-            on_device = block_entry_value(incarnation, Tier.DEVICE).encode()
-            host_only = block_entry_value(incarnation, Tier.HOST).encode()
-            is_host: list[bool] = []
-            for entry in entries:
-                value = entry.get(field)
-                if value == on_device:
-                    is_host.append(False)
-                elif value == host_only:
-                    is_host.append(True)
-                else:
-                    break
-            prefixes.append((lease, is_host))
-        return prefixes
+        start = first_end
+        while start < len(block_hashes):
+            # Invariant: a matching replica has matched every block before `start`.
+            matching = [r for r, p in prefixes.items() if p.matching]
+            if not matching:
+                break
+            end = min(len(block_hashes), start * CHUNK_GROWTH)
+            block_keys = [schema.block(group_id, h).encode() for h in block_hashes[start:end]]
+            read_fields = _entry_read(matching)
+            _extend(prefixes, matching, bulk.execute(client, block_keys, [read_fields.pack(k) for k in block_keys]))
+            start = end
+        return [(p.lease, p.is_host) for p in prefixes.values()]
+
+
+FIRST_CHUNK_BLOCKS = 64
+"""Block entries the first round trip reads: a prompt that no replica holds past them costs one round trip."""
+CHUNK_GROWTH = 8
+"""Each later chunk ends this many times as far as the last one: 64, 512, 4096 blocks.
+
+A round trip costs far more than reading one more field of a block entry
+(an HMGET is one command whatever its fields), so the chunks grow fast: an
+8k-token prompt (511 blocks) takes 2 round trips, a 32k one 3, while a
+replica that stopped matching at block k is read at most to the end of k's
+chunk (< 8k + 64 entries), never to the prompt's end.
+"""
+HMGET_MAX_FIELDS = 8
+"""Up to this many replicas a chunk reads their fields (HMGET); past it, whole entries (HGETALL): `_entry_read`."""
+GET = bulk.CommandTemplate(b"GET")
+HGETALL = bulk.CommandTemplate(b"HGETALL")
+
+
+class _Prefix:
+    """One live replica's prefix while a lookup reads it: per block read, whether only its host tier holds it."""
+
+    __slots__ = ("lease", "is_host", "matching", "on_device", "host_only")
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.is_host: list[bool] = []
+        self.matching = True  # every block read so far is in one of its tiers
+        incarnation = str(lease.incarnation)
+        self.on_device = block_entry_value(incarnation, Tier.DEVICE).encode()
+        self.host_only = block_entry_value(incarnation, Tier.HOST).encode()
+
+
+def _entry_read(replica_ids: Sequence[str]) -> bulk.CommandTemplate:
+    """The command that reads these replicas' fields of a block entry: HMGET of them, or HGETALL for many.
+
+    Redis keeps a small hash as a listpack and finds each HMGET field by a
+    linear scan: F fields of an H-field entry cost F x H, against H for
+    HGETALL. Past HMGET_MAX_FIELDS the whole entry is cheaper to read.
+    """
+    if len(replica_ids) > HMGET_MAX_FIELDS:
+        return HGETALL
+    return bulk.CommandTemplate(b"HMGET", tuple(r.encode() for r in replica_ids))
+
+
+def _add_leases(prefixes: dict[str, _Prefix], replica_ids: Sequence[str], texts: Sequence[bytes | None]) -> None:
+    """A prefix for every replica whose lease is alive (the GET found it)."""
+    for replica_id, text in zip(replica_ids, texts):
+        if text:
+            prefixes[replica_id] = _Prefix(Lease.from_json(replica_id, text))
+
+
+def _extend(prefixes: dict[str, _Prefix], fields: Sequence[str], entries: Sequence) -> None:
+    """Extend the matching prefixes of `fields` by the next `entries`, consecutive blocks read by `_entry_read(fields)`:
+    HMGET replies (one value per field) or HGETALL ones (a map; a flat list of fields and values in RESP2)."""
+    whole = len(fields) > HMGET_MAX_FIELDS
+    if whole:
+        entries = [e if isinstance(e, dict) else dict(zip(e[::2], e[1::2])) for e in entries]
+    for position, replica_id in enumerate(fields):
+        prefix = prefixes.get(replica_id)
+        if prefix is None or not prefix.matching:
+            continue  # no live lease, or it stopped matching earlier
+        on_device, host_only, is_host = prefix.on_device, prefix.host_only, prefix.is_host
+        field = replica_id.encode()
+        for entry in entries:
+            value = entry.get(field) if whole else entry[position]
+            if value == on_device:
+                is_host.append(False)
+            elif value == host_only:
+                is_host.append(True)
+            else:
+                prefix.matching = False
+                break
 
 
 def choose_replica(prefixes: Sequence[ReplicaPrefix]) -> str | None:

@@ -13,12 +13,20 @@ across a Redis Cluster; writers batch them in pipelines.
     {ns}:lease:{replica_id}             STRING JSON, expires after the lease TTL:
         {"incarnation": int, "address": "host:port", "num_requests": int,
          "usage": float, "num_free_blocks": int}
-    {ns}:replicas                       SET    every replica id ever seen
+    {ns}:replicas                       SET    every replica id seen and not yet collected
+    {ns}:collector                      STRING the collector's lock: who collects, for one interval
 
 A reader trusts a block entry only if the replica's lease is alive and names
 the same incarnation: entries of dead replicas, or of a replica's earlier
 life, are ignored. A reader that predates the host tier compares the value
 with the bare incarnation, so it sees the device tier only, as before.
+
+Stale fields (earlier incarnations', replicas gone for good) are deleted by
+collector.py, at most one collection per interval in a deployment.
+
+No key holds a hash tag and every script touches one key, so on a Redis
+Cluster the keys spread over every master by their slot, and each command
+goes to one node.
 
 One replica id has one holder. A writer claims, renews and drops its lease
 with compare-and-set scripts (`CLAIM_LEASE`, `DROP_LEASE`) that act only
@@ -63,6 +71,16 @@ DROP_LEASE = """
 local current = redis.call('GET', KEYS[1])
 if current and string.match(current, '"incarnation": *(%d+)') == ARGV[1] then
   return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1]: a block entry; ARGV: a replica id, the value it was read with.
+# Deletes the field only if it still holds that value: one rewritten since
+# (by a newer incarnation) stays.
+DELETE_FIELD_IF = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
 end
 return 0
 """
@@ -145,3 +163,7 @@ class KeySchema:
     @property
     def replicas(self) -> str:
         return f"{self.namespace}:replicas"
+
+    @property
+    def collector_lock(self) -> str:
+        return f"{self.namespace}:collector"

@@ -23,6 +23,13 @@ crashed predecessor's lease lapses; a live twin renews it); after that, or
 at once if this writer held the lease before, the writer is fenced: it stops
 for good, logs an ERROR and sets `metrics.fenced`. Entries of one replica id
 therefore always come from one manager.
+
+On a Redis Cluster (connect.py) a failed write or renewal, as a master's
+failover causes, resyncs as above once the cluster answers again; so does a
+grown configuration epoch seen by the heartbeat, for a writer that was idle
+during the failover. While it holds the lease, the writer's collector
+(collector.py) deletes stale fields of every replica id, its own earlier
+incarnations' included.
 """
 
 from __future__ import annotations
@@ -31,13 +38,16 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import redis
 
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kv_manager_service.mirror.bulk import HashWrites
+from kv_manager_service.mirror.collector import CollectorMetrics, CollectorOptions, StaleFieldCollector
+from kv_manager_service.mirror.connect import cluster_epoch
 from kv_manager_service.mirror.schema import (
     CLAIM_LEASE,
     DROP_LEASE,
@@ -63,6 +73,7 @@ class MirrorOptions:
     coalesce_s: float = 0.002  # wait this long after new events before writing them
     retry_backoff_s: float = 0.2
     max_retry_backoff_s: float = 2.0
+    collector: CollectorOptions = CollectorOptions()
 
     def __post_init__(self) -> None:
         if self.lease_ttl_s < 0.3:
@@ -77,6 +88,7 @@ class MirrorMetrics:
     queue_depth: int = 0  # events logged but not yet written
     lag_ms: float = 0.0  # age of the newest event written, when written
     fenced: bool = False  # another manager holds this replica id's lease: nothing is written any more
+    collector: CollectorMetrics = field(default_factory=CollectorMetrics)  # stale fields deleted (collector.py)
 
 
 class MirrorWriter:
@@ -113,6 +125,11 @@ class MirrorWriter:
         self._held_until = 0.0  # monotonic; we may write before it
         self._ever_held = False
         self._refused_since: float | None = None  # monotonic; first refusal while we never held the lease
+        self._cluster_epoch: int | None = None  # the highest configuration epoch of a Redis Cluster seen
+        self.collector = StaleFieldCollector(
+            client, schema, f"{replica_id}:{incarnation}", self._holds_lease, options.collector
+        )
+        self.metrics.collector = self.collector.metrics
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._write_loop, name="mirror-writer", daemon=True),
@@ -122,10 +139,12 @@ class MirrorWriter:
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
+        self.collector.start()
 
     def stop(self) -> None:
         """Stop writing and drop the lease if it is ours, so readers stop trusting our entries now."""
         self._stop.set()
+        self.collector.stop()
         for thread in self._threads:
             thread.join(timeout=5)
         try:
@@ -191,7 +210,7 @@ class MirrorWriter:
         """Make Redis hold exactly the pool's current cached set, both tiers, for this incarnation."""
         counts, host_keys, sequence = self.snapshot()
         host_only = set(host_keys) - counts.keys()
-        pipe = self.client.pipeline(transaction=False)
+        pipe = HashWrites(self.client)
         published = self._published.keys() | self._published_host.keys()
         for group_id, block_hash in (published | self._unsure) - counts.keys() - host_only:
             pipe.hdel(self.schema.block(group_id, block_hash), self.replica_id)
@@ -261,7 +280,7 @@ class MirrorWriter:
             after = self._entry_tier(key)
             if after is not tier:
                 changes[key] = after
-        pipe = self.client.pipeline(transaction=False)
+        pipe = HashWrites(self.client)
         for (group_id, block_hash), tier in changes.items():
             key = self.schema.block(group_id, block_hash)
             if tier is None:
@@ -296,6 +315,7 @@ class MirrorWriter:
                 ):
                     self._fence(other)
                     return
+                self._notice_failover()
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
                 log.warning("lease heartbeat failed: %s", error)
@@ -320,6 +340,26 @@ class MirrorWriter:
         self._ever_held = True
         self.client.sadd(self.schema.replicas, self.replica_id)
         return None
+
+    def _holds_lease(self) -> bool:
+        return not self.metrics.fenced and time.monotonic() < self._held_until
+
+    def _notice_failover(self) -> None:
+        """Resync when a Redis Cluster's configuration epoch grew: a failover (or a resharding) happened.
+
+        A master's writes that its replica had not copied yet die with it,
+        acknowledged, and a writer that was idle then saw no error: only a
+        republication makes the mirror whole again. A node that lags in
+        gossip reports an older epoch, which is ignored.
+        """
+        epoch = cluster_epoch(self.client)
+        if epoch is None:
+            return
+        if self._cluster_epoch is not None and epoch > self._cluster_epoch:
+            log.info("the Redis Cluster's configuration changed (epoch %d -> %d): republishing the mirror",
+                     self._cluster_epoch, epoch)  # fmt: skip
+            self._resync = True
+        self._cluster_epoch = max(epoch, self._cluster_epoch or 0)
 
     def _fence(self, other: Lease) -> None:
         self.metrics.fenced = True

@@ -50,6 +50,7 @@ OPERATOR_METHODS = frozenset(
     f"/{SERVICE_NAME}/{name}"
     for name in ("WatchSteps", "AckSteps", "UnregisterWorker", "WatchEvents", "WatchEventBatches", "ResetPrefixCache")
 )
+REDIS_CLUSTER_MODES = ("auto", "yes", "no")  # mirror.connect.CLUSTER_MODES, named here without importing redis
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class ServerOptions:
     grace_s: float = 5.0  # on SIGTERM, in-flight calls get this long
     limits: ServiceLimits = ServiceLimits()
     redis_url: str | None = None  # None: no mirror, the index stays in-process
+    redis_cluster: str = "auto"  # one of REDIS_CLUSTER_MODES: is --redis-url a Redis Cluster node (mirror/connect.py)
+    redis_collect_interval_s: float = 300.0  # at most one collection of stale mirror fields per this long
+    redis_collect_after_s: float = 600.0  # a replica id without a lease this long has all its fields collected
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
     worker_timeout_s: float = 10.0  # a registered worker neither streaming nor acknowledging this long is dropped
@@ -122,6 +126,14 @@ class ServerOptions:
                 raise ValueError("--tenant-secret-file and --tenant-quota-blocks need --multi-tenant")
             if self.tokens is not None and any(p.quota_blocks is not None for p in self.tokens.principals):
                 raise ValueError("quota_blocks in the token file needs --multi-tenant")
+        if not (self.redis_collect_interval_s > 0 and self.redis_collect_after_s > 0):
+            raise ValueError(
+                "--redis-collect-interval-s and --redis-collect-after-s must be > 0, got "
+                f"{self.redis_collect_interval_s} and {self.redis_collect_after_s}"
+            )
+        if self.redis_cluster not in REDIS_CLUSTER_MODES:
+            modes = ", ".join(REDIS_CLUSTER_MODES)
+            raise ValueError(f"--redis-cluster must be one of {modes}, got {self.redis_cluster!r}")
         if (self.redis_tls_ca is not None or self.redis_password is not None) and not self.redis_url:
             raise ValueError("--redis-tls-ca and --redis-password-file need --redis-url")
         if self.redis_tls_ca is not None and not self.redis_url.startswith("rediss://"):
@@ -344,23 +356,28 @@ def _mirror(
     id's lease. Redis may be down now: the writer claims and retries in the
     background."""
     try:
-        import redis
+        import redis  # noqa: F401 - only to say what is missing
     except ImportError as e:
         raise ValueError("--redis-url needs the redis package: pip install 'kv-manager-service[redis]'") from e
+    from kv_manager_service.mirror.collector import CollectorOptions
+    from kv_manager_service.mirror.connect import RedisEndpoint, connect, same_topology, topology
     from kv_manager_service.mirror.lookup import ClusterIndex
     from kv_manager_service.mirror.schema import KeySchema
     from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 
     # Short timeouts: a slow Redis must not hold a lookup or the writer for long.
-    secrets = {} if options.redis_password is None else {"password": options.redis_password}
-    if options.redis_tls_ca is not None:
-        secrets["ssl_ca_certs"] = str(options.redis_tls_ca)
-    client = redis.Redis.from_url(options.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, **secrets)
+    endpoint = RedisEndpoint(
+        options.redis_url,
+        options.redis_cluster,
+        timeout_s=1.0,
+        password=options.redis_password,
+        ssl_ca_certs=None if options.redis_tls_ca is None else str(options.redis_tls_ca),
+    )
+    client = connect(endpoint)
     # The lookups' own connections, so that they never wait behind the writer; the timeout is their budget.
     budget_s = options.cluster_lookup_timeout_ms / 1000
-    lookup_client = redis.Redis.from_url(
-        options.redis_url, socket_timeout=budget_s, socket_connect_timeout=budget_s, **secrets
-    )
+    lookup_client = connect(dataclasses.replace(same_topology(endpoint, client), timeout_s=budget_s))
+    log.info("the mirror's Redis at %s: %s", _redact(options.redis_url), topology(client))
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
     writer = MirrorWriter(
         client,
@@ -370,7 +387,10 @@ def _mirror(
         replica.events,
         replica.cached_snapshot,
         lambda: replica.lease(address),
-        MirrorOptions(lease_ttl_s=options.lease_ttl_s),
+        MirrorOptions(
+            lease_ttl_s=options.lease_ttl_s,
+            collector=CollectorOptions(options.redis_collect_interval_s, options.redis_collect_after_s),
+        ),
     )
     writer.claim_at_start()
     return writer, ClusterIndex(lookup_client, schema)

@@ -7,7 +7,14 @@ kv_manager_service.cli serve ...` processes; every one is terminated at
 teardown: those the test did not kill must exit 0, and none may log a
 traceback.
 
-The only reason to skip is a missing `redis-server` binary (CI installs it).
+`mirror_redis` is either topology, one test id each: `[single]` a
+redis-server of its own, `[cluster]` a Redis Cluster of 3 masters that the
+tests of a session share (`shared_redis_cluster`, emptied before each test;
+tests that kill a node start their own). A test that means the mirror to
+work the same on both asks for it instead of `redis_server`.
+
+The only reason to skip is a missing `redis-server` binary (CI installs it,
+with `redis-cli`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Iterator
 
 import pytest
 
-from mirror_support import REDIS_SERVER, RedisServer, ReplicaFactory
+from mirror_support import REDIS_CLI, REDIS_SERVER, RedisClusterServer, RedisServer, ReplicaFactory
 
 
 @pytest.fixture
@@ -39,6 +46,34 @@ def redis_server(tmp_path: Path, redis_factory: list[RedisServer]) -> RedisServe
     redis_factory.append(server)
     server.start()
     return server
+
+
+@pytest.fixture(scope="session")
+def shared_redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServer]:
+    """One Redis Cluster of 3 masters (no replicas) for the session's tests that only read and write it."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server and redis-cli are not installed (CI installs them)")
+    cluster = RedisClusterServer(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def mirror_redis(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_factory: list[RedisServer]
+) -> RedisServer | RedisClusterServer:
+    """A running Redis of either topology, empty: a redis-server of its own, or the shared cluster flushed."""
+    if request.param == "single":
+        server = RedisServer(tmp_path)
+        redis_factory.append(server)
+        server.start()
+        return server
+    cluster = request.getfixturevalue("shared_redis_cluster")
+    cluster.flush()
+    return cluster
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 import grpc
 import redis
+from redis.cluster import ClusterNode
 
-from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.rpc.launch import LaunchedProcess, free_cluster_port, launch_redis_cluster
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
@@ -34,6 +35,7 @@ from processes import free_port, launch_many, launch_redis, stop_all
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")  # creates clusters
 
 SHUTDOWN_TIMEOUT_S = 10.0  # the server's grace is 5 s; the mirror's stop adds little
 CALL_TIMEOUT_S = 10.0
@@ -84,6 +86,8 @@ class RedisServer:
     its TLS port. `client_kwargs` are what a client needs to get in
     (password, ssl...): `client()` connects with them, as a user would.
     """
+
+    topology = "single"
 
     def __init__(
         self, directory: Path, port: int | None = None, extra_args: Sequence[str] = (), tls: bool = False,
@@ -146,6 +150,136 @@ class RedisServer:
             host="127.0.0.1", port=self.port, db=0, socket_timeout=5.0, socket_connect_timeout=5.0,
             **self.client_kwargs,
         )  # fmt: skip
+
+    def node_client_for(self, key: str) -> redis.Redis:
+        """A client of the node that holds `key`: this server."""
+        return self.client()
+
+
+class RedisClusterServer:
+    """A real Redis Cluster of local redis-server nodes (`launch_redis_cluster`), masters first.
+
+    It stands where a `RedisServer` does in a test: `url` names its first
+    master (a manager finds the others from it), `client()` is a cluster
+    client, as a user's would be. `flush()` empties every master, so tests
+    can share one cluster; `kill_master(i)` SIGKILLs one, and a replica of
+    it takes its slots over once `cluster-node-timeout` has passed.
+    """
+
+    topology = "cluster"
+
+    def __init__(
+        self, directory: Path, num_masters: int = 3, replicas_per_master: int = 0, node_timeout_ms: int = 1000
+    ) -> None:
+        assert REDIS_SERVER is not None and REDIS_CLI is not None
+        self.directory = directory
+        self.num_masters = num_masters
+        self.replicas_per_master = replicas_per_master
+        self.node_timeout_ms = node_timeout_ms
+        self.ports = [free_cluster_port() for _ in range(num_masters * (1 + replicas_per_master))]
+        self.nodes: list[LaunchedProcess] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> None:
+        """Start the nodes; with replicas, return once each has its first copy of its master's data.
+
+        A replica that never synced refuses to take over its master's slots,
+        so a test that kills a master must not do it sooner. Replicas sync
+        at once, not after redis-server's 5 s diskless-sync delay.
+        """
+        self.nodes = launch_redis_cluster(
+            self.ports, self.directory, replicas_per_master=self.replicas_per_master,
+            node_timeout_ms=self.node_timeout_ms, extra_args=["--repl-diskless-sync-delay", "0"],
+        )  # fmt: skip
+        for port in self.ports[self.num_masters :]:
+            client = self.node_client(port)
+            try:
+                wait_until(lambda: client.info("replication").get("master_link_status"), lambda s: s == "up",
+                           30.0, f"the replica on port {port} to sync with its master")  # fmt: skip
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node.running:
+                node.kill()
+
+    def client(self) -> redis.RedisCluster:
+        """A cluster client that starts from every live node (the test may have killed the first)."""
+        live = [ClusterNode("127.0.0.1", port) for port, node in zip(self.ports, self.nodes) if node.running]
+        return redis.RedisCluster(startup_nodes=live, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+    def node_client(self, port: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+    def node_client_for(self, key: str) -> redis.Redis:
+        """A client of the master that holds `key`'s slot now (node-wide commands such as CLIENT PAUSE)."""
+        cluster = self.client()
+        try:
+            node = cluster.get_node_from_key(key)
+        finally:
+            cluster.close()
+        return self.node_client(node.port)
+
+    def flush(self) -> None:
+        """Empty every master (their replicas follow) and wait until each replica has."""
+        for port in self.ports:
+            node = self.node_client(port)
+            try:
+                if node.info("replication")["role"] == "master":
+                    node.flushall()
+            finally:
+                node.close()
+        wait_until(lambda: sum(self.num_keys_per_node().values()), lambda n: n == 0, 10.0, "every node to be empty")
+
+    def num_keys_per_node(self) -> dict[int, int]:
+        """Live nodes' port -> DBSIZE."""
+        sizes = {}
+        for port, node in zip(self.ports, self.nodes):
+            if node.running:
+                client = self.node_client(port)
+                try:
+                    sizes[port] = client.dbsize()
+                finally:
+                    client.close()
+        return sizes
+
+    def kill_master(self, index: int) -> int:
+        """SIGKILL the `index`th node of `ports` (a master: they come first); its port."""
+        self.nodes[index].kill()
+        return self.ports[index]
+
+    def wait_failed_over(self, killed_port: int, timeout_s: float = 30.0) -> None:
+        """Until every live node marks the killed master failed and says cluster_state:ok (a replica took over)."""
+
+        def views() -> list[str]:
+            found = []
+            for port, node in zip(self.ports, self.nodes):
+                if not node.running:
+                    continue
+                client = self.node_client(port)
+                try:
+                    state = client.execute_command("CLUSTER INFO").get("cluster_state", b"?")
+                    state = state.decode() if isinstance(state, bytes) else str(state)
+                    nodes = client.execute_command("CLUSTER NODES")
+                    flags = next(
+                        (info["flags"] for address, info in nodes.items() if address.endswith(f":{killed_port}")), ""
+                    )
+                    found.append(f"{port}: {state}, killed node {flags or 'unknown'}")
+                except redis.RedisError as error:
+                    found.append(f"{port}: {error!r}")
+                finally:
+                    client.close()
+            return found
+
+        def failed_over(found: list[str]) -> bool:
+            return all(view.split(": ", 1)[1].startswith("ok,") and "fail" in view and "fail?" not in view
+                       for view in found)  # fmt: skip
+
+        wait_until(views, failed_over, timeout_s, f"the cluster to fail the master on port {killed_port} over")
 
 
 def replica_block_set(client: redis.Redis, ns: str, replica_id: str, incarnation: int, group_id: int = 0) -> set[bytes]:
@@ -336,6 +470,39 @@ def cached_set_from_events(replica: Replica, up_to_sequence: int, group_id: int 
     finally:
         stream.cancel()
     return set(counts)
+
+
+EVENT_RETENTION = 100_000  # ServiceLimits.event_retention, the serve default
+
+
+def mirror_matches_pool(replica: Replica, redis_client: redis.Redis, ns: str) -> tuple[bool, str]:
+    """Compare Redis with the replica's cached set replayed from its events (exact: from sequence 1)."""
+    stats = replica.stats()
+    last = stats.last_event_sequence
+    assert last < EVENT_RETENTION, "the event log dropped entries: the replay would not be exact"
+    expected = cached_set_from_events(replica, last)
+    mirrored = replica_block_set(redis_client, ns, replica.replica_id, replica.incarnation)
+    if mirrored == expected:
+        return True, ""
+    return False, (
+        f"{replica.replica_id} (events to {last}, queue depth {stats.mirror_queue_depth}): "
+        f"{len(expected)} cached, {len(mirrored)} mirrored, {len(mirrored - expected)} stale in Redis, "
+        f"{len(expected - mirrored)} missing from Redis"
+    )
+
+
+def wait_mirror_converged(
+    replicas_: Sequence[Replica], redis_server: RedisServer | RedisClusterServer, ns: str
+) -> None:
+    """Until Redis holds exactly each replica's cached set under its incarnation."""
+    client = redis_server.client()
+    try:
+        def probe() -> list[tuple[bool, str]]:
+            return [mirror_matches_pool(r, client, ns) for r in replicas_]
+
+        wait_until(probe, lambda results: all(ok for ok, _ in results), CONVERGE_TIMEOUT_S, "the mirror to converge")
+    finally:
+        client.close()
 
 
 # -- load ---------------------------------------------------------------------------

@@ -1,16 +1,20 @@
-"""Two replica processes share a Redis mirror: one caches a prefix, the other's cluster lookup sees it."""
+"""Two replica processes share a Redis mirror: one caches a prefix, the other's cluster lookup sees it.
+
+Every test runs on one redis-server and on a 3-master Redis Cluster (`mirror_redis`).
+"""
 
 from __future__ import annotations
 
-from kv_manager_service.mirror.lookup import choose_replica
-from mirror_support import BLOCK_SIZE, CONVERGE_TIMEOUT_S, prompt, wait_until
+from kv_manager_service.mirror.lookup import ClusterIndex, choose_replica
+from kv_manager_service.mirror.schema import KeySchema
+from mirror_support import BLOCK_SIZE, CONVERGE_TIMEOUT_S, block_hashes, namespace, prompt, wait_until
 
 
-def test_cached_prefix_is_reported_to_the_other_replica_then_evicted(redis_server, replicas):
+def test_cached_prefix_is_reported_to_the_other_replica_then_evicted(mirror_redis, replicas):
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url, num_blocks=16),
-            dict(replica_id="replica-b", redis_url=redis_server.url, num_blocks=16),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url, num_blocks=16),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url, num_blocks=16),
         ]
     )
     tokens = prompt(1, 4 * BLOCK_SIZE + 1)  # four full blocks and one token to compute
@@ -64,11 +68,11 @@ def test_cached_prefix_is_reported_to_the_other_replica_then_evicted(redis_serve
     )
 
 
-def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(redis_server, replicas):
+def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(mirror_redis, replicas):
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url),
-            dict(replica_id="replica-b", redis_url=redis_server.url),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url),
         ]
     )
     shared = prompt(10, 2 * BLOCK_SIZE)
@@ -84,13 +88,7 @@ def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(re
     assert answer == b.cluster(long_prompt)  # every replica gives the same answer
 
     # The router helper agrees with the answer, from the same mirror.
-    import redis
-
-    from kv_manager_service.mirror.lookup import ClusterIndex
-    from mirror_support import block_hashes, namespace
-    from kv_manager_service.mirror.schema import KeySchema
-
-    client = redis.Redis.from_url(redis_server.url)
+    client = mirror_redis.client()
     try:
         index = ClusterIndex(client, KeySchema("default", "sha256_cbor"))
         assert index.schema.namespace == namespace()
@@ -103,7 +101,7 @@ def test_lookup_reports_each_replica_its_own_prefix_and_routes_to_the_longest(re
         client.close()
 
 
-def test_hybrid_pool_cluster_answer_agrees_with_what_the_replica_would_reuse(redis_server, replicas):
+def test_hybrid_pool_cluster_answer_agrees_with_what_the_replica_would_reuse(mirror_redis, replicas):
     """Two full-attention groups of 48- and 32-token blocks: a hit is reported on lcm = 96 token
     boundaries, where both groups agree (docs/architecture.md, "Hit alignment"). The cluster answer for a replica must
     not promise more than that replica would reuse, nor disagree with its own answer for itself."""
@@ -113,8 +111,8 @@ def test_hybrid_pool_cluster_answer_agrees_with_what_the_replica_would_reuse(red
     }
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url, config=config),
-            dict(replica_id="replica-b", redis_url=redis_server.url, config=config),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url, config=config),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url, config=config),
         ]
     )
     tokens = prompt(70, 160)  # 3 blocks of 48 and 5 of 32 are full; the groups agree on 96 tokens

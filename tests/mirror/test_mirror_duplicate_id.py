@@ -16,6 +16,7 @@ from mirror_support import (
     BLOCK_SIZE,
     CONVERGE_TIMEOUT_S,
     ROOT,
+    RedisClusterServer,
     RedisServer,
     block_hashes,
     namespace,
@@ -29,7 +30,7 @@ REFUSAL = "replica id 'replica-a' is held by another live manager"
 REFUSED_START_TIMEOUT_S = 60.0  # generous: the refusal comes after about one lease TTL
 
 
-def _lease_incarnation(redis_server: RedisServer, replica_id: str) -> int | None:
+def _lease_incarnation(redis_server: RedisServer | RedisClusterServer, replica_id: str) -> int | None:
     client = redis_server.client()
     try:
         text = client.get(f"{namespace()}:lease:{replica_id}")
@@ -38,7 +39,7 @@ def _lease_incarnation(redis_server: RedisServer, replica_id: str) -> int | None
     return None if text is None else json.loads(text)["incarnation"]
 
 
-def _published(redis_server: RedisServer, replica_id: str, incarnation: int) -> set[bytes]:
+def _published(redis_server: RedisServer | RedisClusterServer, replica_id: str, incarnation: int) -> set[bytes]:
     client = redis_server.client()
     try:
         return replica_block_set(client, namespace(), replica_id, incarnation)
@@ -47,6 +48,7 @@ def _published(redis_server: RedisServer, replica_id: str, incarnation: int) -> 
 
 
 def test_second_manager_with_one_id_is_refused_while_the_first_lives(redis_server, replicas):
+    # One server only: the same lease script runs on a cluster in the fencing test below, and this one is slow.
     a, c = replicas.start_many(
         [dict(replica_id="replica-a", redis_url=redis_server.url), dict(replica_id="replica-c", redis_url=redis_server.url)]
     )
@@ -81,20 +83,20 @@ def test_second_manager_with_one_id_is_refused_while_the_first_lives(redis_serve
     assert not a3.stats().mirror_fenced
 
 
-def test_writer_whose_lease_was_taken_is_fenced_and_stops_writing(redis_server, replicas):
+def test_writer_whose_lease_was_taken_is_fenced_and_stops_writing(mirror_redis, replicas):
     """A manager frozen past its lease TTL (SIGSTOP: a VM pause, a stuck host) loses the id to a new one."""
-    a = replicas.start("replica-a", redis_server.url)
+    a = replicas.start("replica-a", mirror_redis.url)
     before = prompt(61, 2 * BLOCK_SIZE + 1)
     a.cache("before", before)
-    wait_until(lambda: _published(redis_server, "replica-a", a.incarnation), lambda got: got == set(block_hashes(before)),
+    wait_until(lambda: _published(mirror_redis, "replica-a", a.incarnation), lambda got: got == set(block_hashes(before)),
                CONVERGE_TIMEOUT_S, "replica-a's blocks to be published")  # fmt: skip
 
     a.process.process.send_signal(signal.SIGSTOP)
     try:
-        b = replicas.start("replica-a", redis_server.url)  # waits for the frozen one's lease to lapse
+        b = replicas.start("replica-a", mirror_redis.url)  # waits for the frozen one's lease to lapse
     finally:
         a.process.process.send_signal(signal.SIGCONT)
-    assert _lease_incarnation(redis_server, "replica-a") == b.incarnation
+    assert _lease_incarnation(mirror_redis, "replica-a") == b.incarnation
 
     wait_until(lambda: a.stats().mirror_fenced, bool, CONVERGE_TIMEOUT_S, "the frozen manager to be fenced")
     assert any(r["level"] == "ERROR" and REFUSAL in r["msg"] for r in log_records(a.process)), a.log()
@@ -103,14 +105,14 @@ def test_writer_whose_lease_was_taken_is_fenced_and_stops_writing(redis_server, 
     after_a, after_b = prompt(62, 2 * BLOCK_SIZE + 1), prompt(63, 3 * BLOCK_SIZE + 1)
     a.cache("after", after_a)
     b.cache("after", after_b)
-    wait_until(lambda: _published(redis_server, "replica-a", b.incarnation), lambda got: got == set(block_hashes(after_b)),
+    wait_until(lambda: _published(mirror_redis, "replica-a", b.incarnation), lambda got: got == set(block_hashes(after_b)),
                CONVERGE_TIMEOUT_S, "the new manager's blocks to be published")  # fmt: skip
     # The fenced one wrote nothing more, and never touched the new one's lease or entries.
-    assert not _published(redis_server, "replica-a", a.incarnation) & set(block_hashes(after_a))
+    assert not _published(mirror_redis, "replica-a", a.incarnation) & set(block_hashes(after_a))
     assert b.cluster(after_b) == {"replica-a": 3 * BLOCK_SIZE}
     assert a.stop() == 0  # its stop leaves the lease it does not hold
-    assert _lease_incarnation(redis_server, "replica-a") == b.incarnation
-    assert _published(redis_server, "replica-a", b.incarnation) == set(block_hashes(after_b))
+    assert _lease_incarnation(mirror_redis, "replica-a") == b.incarnation
+    assert _published(mirror_redis, "replica-a", b.incarnation) == set(block_hashes(after_b))
 
 
 def test_twins_started_while_redis_is_down_end_with_one_writer(tmp_path, redis_factory, replicas):

@@ -15,11 +15,11 @@ from mirror_support import (
 )
 
 
-def test_killed_replica_is_no_longer_reported_after_its_lease_ttl(redis_server, replicas):
+def test_killed_replica_is_no_longer_reported_after_its_lease_ttl(mirror_redis, replicas):
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url),
-            dict(replica_id="replica-b", redis_url=redis_server.url),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url),
         ]
     )
     tokens = prompt(20, 3 * BLOCK_SIZE + 1)
@@ -28,7 +28,7 @@ def test_killed_replica_is_no_longer_reported_after_its_lease_ttl(redis_server, 
                CONVERGE_TIMEOUT_S, "replica-a's prefix to be reported")
 
     a.kill()  # SIGKILL: no graceful shutdown, the lease is left to expire
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         ns = namespace()
         # The entries themselves stay in Redis: only the lease fences them.
@@ -47,11 +47,11 @@ def test_killed_replica_is_no_longer_reported_after_its_lease_ttl(redis_server, 
     assert b.cluster(tokens) == {"replica-b": 0}
 
 
-def test_gracefully_stopped_replica_drops_out_at_once(redis_server, replicas):
+def test_gracefully_stopped_replica_drops_out_at_once(mirror_redis, replicas):
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url),
-            dict(replica_id="replica-b", redis_url=redis_server.url),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url),
         ]
     )
     tokens = prompt(21, 2 * BLOCK_SIZE + 1)
@@ -59,7 +59,7 @@ def test_gracefully_stopped_replica_drops_out_at_once(redis_server, replicas):
     wait_until(lambda: b.cluster(tokens), lambda got: got.get("replica-a") == 2 * BLOCK_SIZE, CONVERGE_TIMEOUT_S,
                "replica-a's prefix to be reported")
     assert a.stop() == 0  # SIGTERM: the mirror deletes the lease on the way out
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         assert not client.exists(f"{namespace()}:lease:replica-a")
     finally:
@@ -67,11 +67,11 @@ def test_gracefully_stopped_replica_drops_out_at_once(redis_server, replicas):
     assert b.cluster(tokens) == {"replica-b": 0}
 
 
-def test_restarted_replica_reports_only_what_its_new_incarnation_caches(redis_server, replicas):
+def test_restarted_replica_reports_only_what_its_new_incarnation_caches(mirror_redis, replicas):
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url),
-            dict(replica_id="replica-b", redis_url=redis_server.url),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url),
         ]
     )
     old_prompt = prompt(30, 4 * BLOCK_SIZE + 1)
@@ -83,7 +83,7 @@ def test_restarted_replica_reports_only_what_its_new_incarnation_caches(redis_se
     # Crash and restart at once under the same id: the old lease may well be alive still,
     # so only the incarnation fences the old entries.
     a.kill()
-    a2 = replicas.start("replica-a", redis_server.url)
+    a2 = replicas.start("replica-a", mirror_redis.url)
     assert a2.incarnation != old_incarnation and a2.incarnation > old_incarnation
     new_prompt = prompt(31, 2 * BLOCK_SIZE + 1)
     a2.cache("new", new_prompt)
@@ -93,7 +93,7 @@ def test_restarted_replica_reports_only_what_its_new_incarnation_caches(redis_se
                CONVERGE_TIMEOUT_S, "the new incarnation's prefix to be reported")
     wait_until(lambda: b.cluster(old_prompt[: BLOCK_SIZE + 1]), lambda got: got.get("replica-a") == BLOCK_SIZE,
                CONVERGE_TIMEOUT_S, "the re-cached first block to be reported")
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         ns = namespace()
         old_hashes = block_hashes(old_prompt)
@@ -113,7 +113,7 @@ def test_restarted_replica_reports_only_what_its_new_incarnation_caches(redis_se
     assert b.cluster(old_prompt) == {"replica-a": BLOCK_SIZE, "replica-b": 0}
 
 
-def test_answering_replica_is_always_in_its_own_cluster_answer(redis_server, replicas):
+def test_answering_replica_is_always_in_its_own_cluster_answer(mirror_redis, replicas):
     """FindCacheHit(cluster=true) reports every live replica; the one answering is live by definition.
 
     With Redis down it answers for itself alone. With Redis up but its lease
@@ -121,13 +121,13 @@ def test_answering_replica_is_always_in_its_own_cluster_answer(redis_server, rep
     first heartbeat, or after a lost lease -- it must not vanish from its own
     answer while its local hit says it holds the prefix.
     """
-    a = replicas.start("replica-a", redis_server.url)
+    a = replicas.start("replica-a", mirror_redis.url)
     tokens = prompt(40, 2 * BLOCK_SIZE + 1)
     a.cache("warm", tokens)
     wait_until(lambda: a.cluster(tokens), lambda got: got == {"replica-a": 2 * BLOCK_SIZE}, CONVERGE_TIMEOUT_S,
                "the prefix to be published")
 
-    client = redis_server.client()
+    client = mirror_redis.node_client_for(f"{namespace()}:lease:replica-a")
     try:
         ns = namespace()
         # The lease is gone (as after a Redis restart) and, for a moment, cannot be written

@@ -14,9 +14,9 @@ import itertools
 from typing import Iterator
 
 import pytest
-import redis
 
 from kv_manager_service.core.events import BlockRemoved, BlockStored, Tier
+from kv_manager_service.mirror.connect import RedisEndpoint, connect_now
 from kv_manager_service.mirror.lookup import HOST_HIT_WEIGHT, ClusterIndex, ReplicaPrefix, choose_replica
 from kv_manager_service.mirror.schema import KeySchema, Lease
 from kv_manager_service.rpc import convert
@@ -61,12 +61,12 @@ def run_acked(replica: Replica, request_id: str, token_ids: list[int], free: boo
 
 
 @pytest.fixture
-def pair(redis_server, replicas) -> Iterator[tuple[Replica, Replica]]:
-    """A (with the tier, its prompt moved to the host) and B (no tier), both mirrored in `redis_server`."""
+def pair(mirror_redis, replicas) -> Iterator[tuple[Replica, Replica]]:
+    """A (with the tier, its prompt moved to the host) and B (no tier), both mirrored in `mirror_redis`."""
     a, b = replicas.start_many(
         [
-            dict(replica_id="replica-a", redis_url=redis_server.url, num_blocks=9, extra=TIER),
-            dict(replica_id="replica-b", redis_url=redis_server.url, num_blocks=64),
+            dict(replica_id="replica-a", redis_url=mirror_redis.url, num_blocks=9, extra=TIER),
+            dict(replica_id="replica-b", redis_url=mirror_redis.url, num_blocks=64),
         ]
     )
     register_worker(a)
@@ -77,7 +77,7 @@ def pair(redis_server, replicas) -> Iterator[tuple[Replica, Replica]]:
     yield a, b
 
 
-def test_a_prefix_moved_to_the_host_is_still_reported_as_host_tokens(redis_server, pair):
+def test_a_prefix_moved_to_the_host_is_still_reported_as_host_tokens(mirror_redis, pair):
     a, b = pair
     answer = wait_until(lambda: tiers(b, PROMPT), lambda got: got.get("replica-a") == (64, 64), CONVERGE_TIMEOUT_S,
                         "A's prompt, now only on its host, seen from B")  # fmt: skip
@@ -87,7 +87,7 @@ def test_a_prefix_moved_to_the_host_is_still_reported_as_host_tokens(redis_serve
     wait_until(lambda: tiers(b, FILLER), lambda got: got.get("replica-a") == (112, 0), CONVERGE_TIMEOUT_S,
                "A's filler on its device, seen from B")  # fmt: skip
 
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         key = SCHEMA.block(0, block_hashes(PROMPT)[0])
         assert client.hget(key, "replica-a") == f"{a.incarnation}:host".encode()
@@ -117,10 +117,10 @@ def test_a_host_eviction_removes_the_prefix_from_the_cluster_answer(pair):
     assert a.stats().num_host_evictions == 4
 
 
-def test_routing_weighs_host_hits_below_device_hits(redis_server, pair):
+def test_routing_weighs_host_hits_below_device_hits(mirror_redis, pair):
     a, b = pair
     hashes = block_hashes(PROMPT)
-    client = redis.Redis.from_url(redis_server.url)
+    client = connect_now(RedisEndpoint(mirror_redis.url))  # what a manager connects, either topology
     try:
         index = ClusterIndex(client, SCHEMA)
 

@@ -8,44 +8,13 @@ from mirror_support import (
     CONVERGE_TIMEOUT_S,
     LoadThread,
     RedisServer,
-    Replica,
-    cached_set_from_events,
     namespace,
     block_hashes,
     prompt,
     replica_block_set,
+    wait_mirror_converged,
     wait_until,
 )
-
-EVENT_RETENTION = 100_000  # ServiceLimits.event_retention, the serve default
-
-
-def _mirror_matches_pool(replica: Replica, redis_client, ns: str) -> tuple[bool, str]:
-    """Compare Redis with the replica's cached set replayed from its events (exact: from sequence 1)."""
-    stats = replica.stats()
-    last = stats.last_event_sequence
-    assert last < EVENT_RETENTION, "the event log dropped entries: the replay would not be exact"
-    expected = cached_set_from_events(replica, last)
-    mirrored = replica_block_set(redis_client, ns, replica.replica_id, replica.incarnation)
-    if mirrored == expected:
-        return True, ""
-    return False, (
-        f"{replica.replica_id} (events to {last}, queue depth {stats.mirror_queue_depth}): "
-        f"{len(expected)} cached, {len(mirrored)} mirrored, {len(mirrored - expected)} stale in Redis, "
-        f"{len(expected - mirrored)} missing from Redis"
-    )
-
-
-def _wait_converged(replicas_: list[Replica], redis_server: RedisServer, ns: str) -> None:
-    client = redis_server.client()
-    try:
-        def probe():
-            return [_mirror_matches_pool(r, client, ns) for r in replicas_]
-
-        wait_until(probe, lambda results: all(ok for ok, _ in results), CONVERGE_TIMEOUT_S, "the mirror to converge")
-    finally:
-        client.close()
-
 
 def test_redis_sigkill_under_load_then_mirror_converges_exactly(redis_server, replicas):
     a, b = replicas.start_many(
@@ -100,7 +69,7 @@ def test_redis_sigkill_under_load_then_mirror_converges_exactly(redis_server, re
     assert [load.errors for load in loads] == [[], []], "RPCs failed while Redis was down or restarting"
     assert all(load.num_cluster_lookups > 0 for load in loads)
 
-    _wait_converged([a, b], redis_server, ns)
+    wait_mirror_converged([a, b], redis_server, ns)
     for replica in (a, b):
         stats = replica.stats()
         assert stats.mirror_enabled
@@ -235,7 +204,7 @@ def test_frozen_redis_does_not_hold_rpcs_and_the_mirror_converges_after(redis_se
         redis_server.resume()
     assert a.stats().mirror_failures > 0
 
-    _wait_converged([a, b], redis_server, namespace())
+    wait_mirror_converged([a, b], redis_server, namespace())
     wait_until(lambda: b.cluster(during[-1]), lambda got: got == {"replica-a": 2 * BLOCK_SIZE,
                                                                    "replica-b": 2 * BLOCK_SIZE},
                CONVERGE_TIMEOUT_S, "prefixes cached during the freeze to be reported")

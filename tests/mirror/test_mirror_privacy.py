@@ -20,13 +20,13 @@ from mirror_support import (
 )
 
 
-def test_two_model_names_never_see_each_others_entries(redis_server, replicas):
+def test_two_model_names_never_see_each_others_entries(mirror_redis, replicas):
     m1a, m1b, m2 = replicas.start_many(
         [
-            dict(replica_id="m1-a", redis_url=redis_server.url, model_name="llama-8b"),
-            dict(replica_id="m1-b", redis_url=redis_server.url, model_name="llama-8b"),
+            dict(replica_id="m1-a", redis_url=mirror_redis.url, model_name="llama-8b"),
+            dict(replica_id="m1-b", redis_url=mirror_redis.url, model_name="llama-8b"),
             # Same replica id in the other deployment: still no collision.
-            dict(replica_id="m1-a", redis_url=redis_server.url, model_name="qwen-7b"),
+            dict(replica_id="m1-a", redis_url=mirror_redis.url, model_name="qwen-7b"),
         ]
     )
     tokens = prompt(50, 3 * BLOCK_SIZE + 1)
@@ -44,7 +44,7 @@ def test_two_model_names_never_see_each_others_entries(redis_server, replicas):
     assert m1a.cluster(tokens) == {"m1-a": 3 * BLOCK_SIZE, "m1-b": 0}  # not 2 blocks: qwen's m1-a is not ours
     assert m1b.cluster(only_m2) == {"m1-a": 0, "m1-b": 0}
 
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         ns1, ns2 = namespace("llama-8b"), namespace("qwen-7b")
         assert ns1 != ns2
@@ -60,12 +60,12 @@ def test_two_model_names_never_see_each_others_entries(redis_server, replicas):
         client.close()
 
 
-def test_a_hash_seed_gets_its_own_namespace_and_is_not_written(redis_server, replicas):
+def test_a_hash_seed_gets_its_own_namespace_and_is_not_written(mirror_redis, replicas):
     seed = "s3cret-seed-Zq81"
     plain, seeded = replicas.start_many(
         [
-            dict(replica_id="plain", redis_url=redis_server.url),
-            dict(replica_id="seeded", redis_url=redis_server.url, extra=["--hash-seed", seed]),
+            dict(replica_id="plain", redis_url=mirror_redis.url),
+            dict(replica_id="seeded", redis_url=mirror_redis.url, extra=["--hash-seed", seed]),
         ]
     )
     tokens = prompt(52, 2 * BLOCK_SIZE + 1)
@@ -74,7 +74,7 @@ def test_a_hash_seed_gets_its_own_namespace_and_is_not_written(redis_server, rep
     wait_until(lambda: seeded.cluster(tokens), lambda got: got == {"seeded": 2 * BLOCK_SIZE},
                CONVERGE_TIMEOUT_S, "the seeded replica's prefix, in its own namespace")
     assert plain.cluster(tokens) == {"plain": 2 * BLOCK_SIZE}
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         assert replica_block_set(client, namespace(seed=seed), "seeded", seeded.incarnation) == set(
             block_hashes(tokens, seed=seed)
@@ -101,14 +101,14 @@ def _token_encodings(tokens: list[int]) -> list[bytes]:
     return forms
 
 
-def test_only_hashes_are_written_never_token_ids(redis_server, replicas):
-    a = replicas.start("replica-a", redis_server.url)
+def test_only_hashes_are_written_never_token_ids(mirror_redis, replicas):
+    a = replicas.start("replica-a", mirror_redis.url)
     # Distinctive ids (valid uint32): their decimal and packed forms cannot occur by chance.
     tokens = [3_141_592_653 + 7 * i for i in range(4 * BLOCK_SIZE + 3)]
     a.cache("secret-prompt", tokens)
     result = a.client.allocate("running", tokens[: 2 * BLOCK_SIZE + 9], num_new_tokens=2 * BLOCK_SIZE + 9)
     assert result.status.name == "OK"  # a live request too: its lease counts it
-    client = redis_server.client()
+    client = mirror_redis.client()
     try:
         ns = namespace()
         expected = set(block_hashes(tokens))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from mirror_support import BLOCK_SIZE, CONVERGE_TIMEOUT_S, prompt, wait_until
 
 
-def test_mirror_fields_with_and_without_redis(redis_server, replicas):
+def test_mirror_fields_with_and_without_redis(mirror_redis, replicas):
     mirrored, plain = replicas.start_many(
         [
-            dict(replica_id="mirrored", redis_url=redis_server.url),
+            dict(replica_id="mirrored", redis_url=mirror_redis.url),
             dict(replica_id="plain", redis_url=None),
         ]
     )

@@ -2,7 +2,7 @@
 
 A stand-in pool (counts of cached hashes, and the bounded event log the
 service keeps) feeds a real `MirrorWriter`. A Redis client wrapper can make
-one pipeline of the writer land in Redis and then fail as if its reply had
+one batch of the writer land in Redis and then fail as if its reply had
 been lost (a timeout against a slow Redis), running a callback in between,
 so the races the writer must survive happen on cue. After every scenario
 Redis must hold exactly the pool's cached set: the issue's "the mirror
@@ -17,11 +17,13 @@ import time
 from collections import Counter
 from typing import Callable, Iterator
 
+import hiredis
 import pytest
 import redis
 
 from kv_manager_service.server.broadcast_log import BroadcastLog
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 from kv_manager_service.mirror.schema import KeySchema, Lease, ReplicaIdInUseError
 from mirror_support import replica_block_set, wait_until
@@ -76,9 +78,9 @@ class StandInPool:
 
 
 class LosingRedis(redis.Redis):
-    """A client whose next matching writer pipeline lands, runs `then`, and fails as a lost reply.
+    """A client whose next matching writer batch lands, runs `then`, and fails as a lost reply.
 
-    With `land=False` the pipeline fails before reaching Redis instead (a dropped connection).
+    With `land=False` the batch fails before reaching Redis instead (a dropped connection).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -100,34 +102,32 @@ class LosingRedis(redis.Redis):
         self.sprung.clear()
         self.trap = (matches, then, fail, land, thread, before)
 
-    def pipeline(self, transaction=True, shard_hint=None):
-        pipe = super().pipeline(transaction, shard_hint)
-        original = pipe.execute
-        client = self
+    def run_bulk(self, commands: list[bytes], send: Callable[[], list]) -> list:
+        """One bulk write of this client (mirror.bulk.execute; `send` runs it), through the trap if it matches."""
+        trap = self.trap
+        if trap is None or threading.current_thread().name != trap[4] or not trap[0]([_args(c) for c in commands]):
+            return send()
+        self.trap = None
+        matches, then, fail, land, _, before = trap
+        if before is not None:
+            before()
+        if not land:
+            then()
+            self.sprung.set()
+            raise redis.ConnectionError("injected: the connection dropped before the pipeline was sent")
+        result = send()  # the commands run in Redis ...
+        then()  # ... the pool moves on meanwhile ...
+        self.sprung.set()
+        if fail:
+            raise redis.TimeoutError("injected: the reply was lost after Redis ran the pipeline")
+        return result
 
-        def execute(raise_on_error=True):
-            trap = client.trap
-            commands = [args for args, _ in pipe.command_stack]
-            if trap is None or threading.current_thread().name != trap[4] or not trap[0](commands):
-                return original(raise_on_error)
-            client.trap = None
-            matches, then, fail, land, _, before = trap
-            if before is not None:
-                before()
-            if not land:
-                then()
-                client.sprung.set()
-                pipe.reset()
-                raise redis.ConnectionError("injected: the connection dropped before the pipeline was sent")
-            result = original(raise_on_error)  # the commands run in Redis ...
-            then()  # ... the pool moves on meanwhile ...
-            client.sprung.set()
-            if fail:
-                raise redis.TimeoutError("injected: the reply was lost after Redis ran the pipeline")
-            return result
 
-        pipe.execute = execute
-        return pipe
+def _args(packed: bytes) -> tuple[str, ...]:
+    """A command packed in RESP, as its arguments."""
+    reader = hiredis.Reader()
+    reader.feed(packed)
+    return tuple(arg.decode() for arg in reader.gets())
 
 
 def hsets(block_hash: bytes) -> Callable[[list[tuple]], bool]:
@@ -141,8 +141,17 @@ def hdels(block_hash: bytes) -> Callable[[list[tuple]], bool]:
 
 
 @pytest.fixture
-def rig(redis_server) -> Iterator[Callable[..., tuple[MirrorWriter, StandInPool, LosingRedis]]]:
+def rig(redis_server, monkeypatch) -> Iterator[Callable[..., tuple[MirrorWriter, StandInPool, LosingRedis]]]:
     made: list[tuple[MirrorWriter, redis.Redis]] = []
+    real_execute = bulk.execute
+
+    def execute(client, keys, commands):  # the writer's batches go out through mirror.bulk
+        def send():
+            return real_execute(client, keys, commands)
+
+        return client.run_bulk(commands, send) if isinstance(client, LosingRedis) else send()
+
+    monkeypatch.setattr(bulk, "execute", execute)
 
     def make(pool: StandInPool | None = None, start: bool = True):
         pool = pool or StandInPool()
