@@ -244,10 +244,40 @@ class KVCacheManager:
         check_token_ids(token_ids, "token_ids")
         check_mm_features(tuple(mm_features), len(token_ids))
         if not self.enable_caching or not token_ids:
-            return CacheHit(0, tuple(() for _ in self.managers))
+            return self._no_hit()
+        return self._hit(self._prompt_hashes(token_ids, cache_salt, lora, mm_features), len(token_ids))
+
+    def find_cache_hit_and_lookup_keys(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: LoraRef | None = None,
+        mm_features: Sequence[MMFeature] = (),
+    ) -> tuple[CacheHit, PrefixLookupKeys | None]:
+        """`find_cache_hit` of `token_ids`, and what to ask other replicas' caches about it; one hashing.
+
+        The lookup keys are the first cacheable group's block hashes, as many
+        as a hit may adopt (at least one token is left to compute): None when
+        no group is cacheable, as when prefix caching is off.
+        """
+        check_token_ids(token_ids, "token_ids")
+        check_mm_features(tuple(mm_features), len(token_ids))
+        if not self.enable_caching or not token_ids:
+            return self._no_hit(), None
+        hashes = self._prompt_hashes(token_ids, cache_salt, lora, mm_features)
+        return self._hit(hashes, len(token_ids)), self._lookup_keys(hashes, len(token_ids))
+
+    def _prompt_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None, lora: LoraRef | None, mm_features: Sequence[MMFeature]
+    ) -> list[BlockHash]:
         extras = _extras(cache_salt, lora, tuple(mm_features))
-        block_hashes = self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
-        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(block_hashes, len(token_ids) - 1)
+        return self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
+
+    def _no_hit(self) -> CacheHit:
+        return CacheHit(0, tuple(() for _ in self.managers))
+
+    def _hit(self, block_hashes: list[BlockHash], num_tokens: int) -> CacheHit:
+        hits, num_hit_tokens = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
         if self.host_tier is not None:
             return CacheHit(
                 num_hit_tokens,
@@ -284,29 +314,14 @@ class KVCacheManager:
                 counts[(group_id, block_hash)] = 1 if type(entry) is KVCacheBlock else len(entry)
         return counts
 
-    def prefix_lookup_keys(
-        self,
-        token_ids: Sequence[int],
-        cache_salt: str | None = None,
-        lora: LoraRef | None = None,
-        mm_features: Sequence[MMFeature] = (),
-    ) -> PrefixLookupKeys | None:
-        """The block hashes another replica's cache is asked about for `token_ids`, as a local hit would see them.
-
-        They are the first cacheable group's block hashes, as many as a hit
-        may adopt (at least one token is left to compute). None when no group
-        is cacheable. The other replicas' caches count even when this one's is off.
-        """
-        check_token_ids(token_ids, "token_ids")
-        check_mm_features(tuple(mm_features), len(token_ids))
+    def _lookup_keys(self, block_hashes: list[BlockHash], num_tokens: int) -> PrefixLookupKeys | None:
         group = next((m for m in self.managers if m.cacheable), None)
-        if group is None or not token_ids:
+        if group is None:
             return None
-        extras = _extras(cache_salt, lora, tuple(mm_features))
-        hashes = self.hasher.hash_blocks(self.hasher.root_hash, token_ids, 0, extras)
         k = group.hashes_per_block
-        max_blocks = (len(token_ids) - 1) // group.block_size
-        return PrefixLookupKeys(group.group_id, group.block_size, self.coordinator.alignment, hashes[k - 1 :: k][:max_blocks])
+        max_blocks = (num_tokens - 1) // group.block_size
+        hashes = block_hashes[k - 1 :: k][:max_blocks]
+        return PrefixLookupKeys(group.group_id, group.block_size, self.coordinator.alignment, hashes)
 
     def pending_copies(self) -> list[PendingCopy]:
         return [PendingCopy(s, BlockCopy(src.block_id, dst.block_id)) for s, src, dst in self._pending_copies]

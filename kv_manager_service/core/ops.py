@@ -165,7 +165,7 @@ class StepResult(NamedTuple):
 
 
 class PrefixLookupKeys(NamedTuple):
-    """What to ask other replicas' caches about a prompt (see `KVCacheManager.prefix_lookup_keys`).
+    """What to ask other replicas' caches about a prompt (see `KVCacheManager.find_cache_hit_and_lookup_keys`).
 
     A replica holding the first n of `block_hashes` holds n * `block_size`
     tokens, which count as a hit rounded down to a multiple of `alignment`

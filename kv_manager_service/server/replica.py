@@ -476,11 +476,12 @@ class Replica:
             tables = [manager.block_table(request_id) for request_id in request_ids]
             return tables, manager.pending_copies(), manager.last_step_id
 
-    def prefix_lookup_keys(
+    def find_cache_hit_and_lookup_keys(
         self, token_ids: Sequence[int], cache_salt: str | None, lora: LoraRef | None, mm_features: Sequence[MMFeature]
-    ) -> PrefixLookupKeys | None:
-        """What to ask the other replicas about `token_ids` (hashing only: no lock)."""
-        return self.manager.prefix_lookup_keys(token_ids, cache_salt, lora, mm_features)
+    ) -> tuple[CacheHit, PrefixLookupKeys | None]:
+        """The local hit of `token_ids`, and what to ask the other replicas about it: one hashing of the prompt."""
+        with self.lock:
+            return self.manager.find_cache_hit_and_lookup_keys(token_ids, cache_salt, lora, mm_features)
 
     def stats(self) -> tuple[Stats, int, int, HostTierStats | None]:
         """The pool's figures, the last step id, the last event sequence and the host tier's figures

@@ -232,11 +232,13 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         salt = request.cache_salt or None
         lora = convert.lora(request.lora_name, request.lora_path)
         mm_features = convert.mm_features(request.mm_features)
-        hit = self.replica.find_cache_hit(token_ids, salt, lora, mm_features)
+        if request.cluster and self.cluster is not None:
+            hit, keys = self.replica.find_cache_hit_and_lookup_keys(token_ids, salt, lora, mm_features)
+        else:
+            hit, keys = self.replica.find_cache_hit(token_ids, salt, lora, mm_features), None
         response = convert.cache_hit_response(hit)
         if request.cluster:
             replicas = [ReplicaTokens(self.replica.replica_id, hit.num_cached_tokens, hit.num_host_cached_tokens)]
-            keys = self.replica.prefix_lookup_keys(token_ids, salt, lora, mm_features) if self.cluster else None
             if keys is not None:
                 replicas += self._other_replicas_hits(keys)
             for replica in sorted(replicas, key=lambda r: r.replica_id):
