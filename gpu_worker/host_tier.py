@@ -19,9 +19,10 @@ other kind of group behind the tier). The buffer is one tensor,
 so one host block, over every layer, is one contiguous region, and so is a
 run of consecutive host blocks: on CUDA each run crosses as one transfer.
 
-On a CPU both sides are RAM and each copy returns once it is done: an
-offload stacks a block's layers straight into its host block, an onload
-copies each layer's slice back, so every byte moves once.
+On a CPU both sides are RAM and each copy returns once it is done: per
+layer, one gather of the step's blocks and one scatter into the other side,
+through a temporary of one layer's blocks (small enough to stay in the
+CPU's caches for typical steps).
 
 On CUDA the buffer is pinned, every transfer is DMA, and offloads overlap
 the forward pass:
@@ -138,8 +139,9 @@ class HostKVBuffer:
         if not host_block_ids:
             return
         if self._offload_stream is None:
-            for device_block_id, host_block_id in zip(device_block_ids.tolist(), host_block_ids):
-                torch.stack([cache[device_block_id] for cache in caches], out=self.blocks[host_block_id])
+            host_ids = torch.tensor(host_block_ids, dtype=torch.int64)
+            for layer, cache in enumerate(caches):
+                self.blocks[:, layer].index_copy_(0, host_ids, cache.index_select(0, device_block_ids))
             return
         snapshot = torch.stack([cache.index_select(0, device_block_ids) for cache in caches], dim=1)
         self._offload_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -162,10 +164,9 @@ class HostKVBuffer:
         if not host_block_ids:
             return
         if self._offload_stream is None:
-            for device_block_id, host_block_id in zip(device_block_ids.tolist(), host_block_ids):
-                block = self.blocks[host_block_id]
-                for layer, cache in enumerate(caches):
-                    cache[device_block_id].copy_(block[layer])
+            host_ids = torch.tensor(host_block_ids, dtype=torch.int64)
+            for layer, cache in enumerate(caches):
+                cache.index_copy_(0, device_block_ids, self.blocks[:, layer].index_select(0, host_ids))
             return
         compute = torch.cuda.current_stream(self.device)
         if self._offloading:
