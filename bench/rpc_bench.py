@@ -29,6 +29,15 @@ compared with, so ratios come from the same moment (single runs on a 2-core
 machine swing by up to 2x). Each figure is the median over rounds of the
 per-round figure; the spread shows the lowest and highest round's p50.
 
+With --vllm-python, --vllm-source and --vllm-baseline (the baselines kit's
+interpreter, vLLM source folder and program), each round also runs vLLM's own
+KV-cache manager in-process, right after this round's columnar Steps: 256
+requests of random 1,000-token prompts admitted, then as many 256-request
+decode steps as a series has calls. Section 5 gives the ratios of this
+round's Step round trip and admission Step to vLLM's in-process step and
+admission, medians over rounds: same-run ratios, which a noisy machine
+does not skew the way figures from different runs do.
+
 With --profile-server PATH, a last phase runs py-spy (--gil: the thread
 holding the GIL, i.e. Python CPU) on the server subprocess during
 back-to-back 256-op decode Steps, writes the raw collapsed stacks to PATH
@@ -43,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
+import json
 import os
 import platform
 import random
@@ -86,7 +97,6 @@ STEP_METHOD = "/kvcache.v1.KVManagerService/Step"
 # (1.4-1.65 ms on this machine kind), and the serving rate a 256-op Step must sustain.
 TARGET_STEP_256_P50_MS = 2.2
 TARGET_REQUEST_STEPS_PER_S = 100_000
-VLLM_STEP_MS = "1.4-1.65"
 
 OK = pb.ALLOCATE_STATUS_OK
 now_ns = time.perf_counter_ns
@@ -154,9 +164,40 @@ class Workload:
         return [AllocateOp(r, [t], 1) for r, t in zip(self.request_ids, self.tokens[step % NUM_PREBUILT])]
 
 
-def admit_rpc(client: KVManagerClient, work: Workload) -> None:
-    response = client.stub.Step(work.admit_request(), timeout=60)
+def admit_rpc(client: KVManagerClient, work: Workload) -> float:
+    """Admit every prompt of `work` in one Step; its wall time in ms (the request built beforehand)."""
+    request = work.admit_request()
+    start = now_ns()
+    response = client.stub.Step(request, timeout=60)
+    elapsed_ms = (now_ns() - start) / 1e6
     assert all(r.allocate.status == OK for r in response.results), "admission failed: pool too small?"
+    return elapsed_ms
+
+
+@dataclass(frozen=True)
+class VllmBaseline:
+    """vLLM's own KV-cache manager, in-process in its own interpreter: the baselines kit's program.
+
+    `program N P D` admits N requests of P-token prompts (request construction with sha256_cbor
+    hashing, cache lookup, allocation), then runs D decode steps of one token per request, and
+    prints one JSON line with `step_ms_p50` (one N-request decode step) and `prefill_ms_total`.
+    """
+
+    python: Path  # an interpreter with vLLM's Python dependencies
+    source: Path  # the folder holding vLLM's pure-Python source (`vllm/`), put on PYTHONPATH
+    program: Path
+
+    def run(self, num_requests: int, prompt_len: int, num_steps: int) -> tuple[float, float]:
+        """(decode step p50 ms, admission ms) of one run."""
+        env = {**os.environ, "PYTHONPATH": str(self.source)}
+        done = subprocess.run(
+            [str(self.python), str(self.program), str(num_requests), str(prompt_len), str(num_steps)],
+            capture_output=True, text=True, env=env, timeout=600, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"the vLLM baseline failed ({done.returncode}): {done.stderr[-2000:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        return float(report["step_ms_p50"]), float(report["prefill_ms_total"])
 
 
 def check_decode(response: pb.StepResponse, n: int) -> bool:
@@ -201,6 +242,7 @@ class Plan:
     floor_calls: int  # GetStats calls per round
     throughput_steps: int  # back-to-back Steps per client per round
     profile_s: float
+    vllm: "VllmBaseline | None" = None  # run vLLM's own manager in each round, for same-run ratios
 
     @property
     def tokens_per_request(self) -> int:
@@ -250,7 +292,10 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
     """The servicer's Step pipeline (KVManagerServicer.Step and Replica.step, inlined in order), phase by phase."""
     replica = servicer.replica
     manager = replica.manager
-    admit = servicer.Step(work.admit_request(), None)
+    # The handlers as written, without the coroutine wrapper that gRPC awaits (`servicer._unary`).
+    step = functools.partial(KVManagerServicer.Step.__wrapped__, servicer)
+    free = functools.partial(KVManagerServicer.Free.__wrapped__, servicer)
+    admit = step(work.admit_request(), None)
     assert all(r.allocate.status == OK for r in admit.results)
     phase_ns: dict[str, list[int]] = {key: [] for key, _ in PHASES + CLIENT_PHASES}
     whole_ns, whole_nogc_ns = [], []
@@ -314,7 +359,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
     for i in range(plan.warmup + plan.steps):
         data = work.decode_bytes[i % NUM_PREBUILT]
         start = now_ns()
-        servicer.Step(pb.StepRequest.FromString(data), None).SerializeToString()
+        step(pb.StepRequest.FromString(data), None).SerializeToString()
         if i >= plan.warmup:
             whole_ns.append(now_ns() - start)
     gc.disable()
@@ -322,7 +367,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
         for i in range(plan.warmup + plan.steps):
             data = work.decode_bytes[i % NUM_PREBUILT]
             start = now_ns()
-            servicer.Step(pb.StepRequest.FromString(data), None).SerializeToString()
+            step(pb.StepRequest.FromString(data), None).SerializeToString()
             if i >= plan.warmup:
                 whole_nogc_ns.append(now_ns() - start)
     finally:
@@ -338,7 +383,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
     results.phase("whole:mean").add_value(statistics.fmean(whole_ns) / 1e3)
     results.phase("whole_nogc").add_samples(whole_nogc_ns, 1e3)
     results.phase("whole_nogc:mean").add_value(statistics.fmean(whole_nogc_ns) / 1e3)
-    servicer.Free(pb.FreeRequest(request_ids=work.request_ids), None)
+    free(pb.FreeRequest(request_ids=work.request_ids), None)
 
 
 def throughput(clients: Sequence[KVManagerClient], works: Sequence[Workload], steps: int) -> tuple[float, float]:
@@ -387,7 +432,9 @@ def run_round(
     w256 = Workload(f"r{index}-256", 256, rng)
     w256b = Workload(f"r{index}-256b", 256, rng)
     for work in (w1, w64, w256, w256b):
-        admit_rpc(client, work)
+        admitted_ms = admit_rpc(client, work)
+        if work is w256:
+            results.get("admit256").add_value(admitted_ms)
     stub = client.stub
     warmup, steps = plan.warmup, plan.steps
 
@@ -413,6 +460,14 @@ def run_round(
             results.get("raw256_fill").add_samples([t for t, f in zip(samples, filled) if f])
             results.get("raw256_nofill").add_samples([t for t, f in zip(samples, filled) if not f])
     raw256_p50 = results.get("raw256").p50[-1]
+
+    # 2v. vLLM's own manager, in-process, right after the Steps it is compared with
+    if plan.vllm is not None:
+        vllm_step_ms, vllm_admit_ms = plan.vllm.run(256, PROMPT_LEN, warmup + steps)
+        results.get("vllm_step").add_value(vllm_step_ms)
+        results.get("vllm_admit").add_value(vllm_admit_ms)
+        results.get("ratio_raw_vllm").add_value(raw256_p50 / vllm_step_ms)
+        results.get("ratio_admit_vllm").add_value(results.get("admit256").p50[-1] / vllm_admit_ms)
 
     # 3. in-process, right after the RPC it is compared with
     admitted = manager.step(w256.admit_ops())
@@ -461,6 +516,8 @@ def run_round(
     results.get("ratio_raw_inproc").add_value(raw256_p50 / inproc_p50)
     results.get("ratio_client_inproc").add_value(results.get("client256").p50[-1] / inproc_p50)
     results.get("ratio_nested_raw").add_value(results.get("nested256").p50[-1] / raw256_p50)
+    if plan.vllm is not None:
+        results.get("ratio_client_vllm").add_value(results.get("client256").p50[-1] / results.get("vllm_step").p50[-1])
     results.get("over_floor").add_value(raw256_p50 - results.get("floor").p50[-1])
 
     # 4. throughput, with CPU per Step of each process
@@ -625,8 +682,8 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
             note="raw stub, prebuilt request"),
         row("2", "Step, 256 ops via KVManagerClient.step(AllocateOps)", s["clientstep256"], "ms",
             note="nested ops, client converts both ways"),
-        row("3", "in-process KVCacheManager.step, 256 decode ops", s["inproc"], "ms", f"vLLM {VLLM_STEP_MS}",
-            "identical core (events on); op list not timed"),
+        row("3", "in-process KVCacheManager.step, 256 decode ops", s["inproc"], "ms",
+            note="identical core (events on); op list not timed"),
         row("3", "ratio: columnar raw Step p50 / in-process p50", s["ratio_raw_inproc"], "x",
             note="per round, same round"),
         row("3", "ratio: KVManagerClient.decode p50 / in-process p50", s["ratio_client_inproc"], "x"),
@@ -642,6 +699,20 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
             f">= {TARGET_REQUEST_STEPS_PER_S:,}", "own connection and request set each",
             met=med("tput2") >= TARGET_REQUEST_STEPS_PER_S),
     ]
+    if "vllm_step" in s:
+        lines += [
+            row("5", "vLLM's own manager, in-process: 256-request decode step", s["vllm_step"], "ms",
+                note="one run per round, right after this round's Steps; its p50 over the run"),
+            row("5", "**ratio: columnar Step round trip p50 / vLLM in-process step p50**", s["ratio_raw_vllm"], "x",
+                "<= 1.0", "per round, same round", met=med("ratio_raw_vllm") <= 1.0),
+            row("5", "ratio: KVManagerClient.decode p50 / vLLM in-process step p50", s["ratio_client_vllm"], "x"),
+            row("5", "admission of 256 random 1,000-token prompts, one Step", s["admit256"], "ms",
+                note="hashing, lookup, allocation; one per round"),
+            row("5", "vLLM's own manager: the same admission, in-process", s["vllm_admit"], "ms",
+                note="request construction with hashing, lookup, allocation"),
+            row("5", "**ratio: admission Step / vLLM in-process admission**", s["ratio_admit_vllm"], "x",
+                "<= 1.0", met=med("ratio_admit_vllm") <= 1.0),
+        ]
     p = results.phases
     mean_total = statistics.median(p["pipeline:mean"].p50)
     lines += [
@@ -690,14 +761,27 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-all-threads", action="store_true",
                         help="sample every active thread, not only the one holding the GIL (py-spy without --gil)")
     parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second (default %(default)s)")
+    vllm = parser.add_argument_group(
+        "vLLM's own manager, run in each round for same-run ratios (all three, or none)")
+    vllm.add_argument("--vllm-python", type=Path, help="an interpreter with vLLM's Python dependencies")
+    vllm.add_argument("--vllm-source", type=Path, help="the folder holding vLLM's source (vllm/), put on PYTHONPATH")
+    vllm.add_argument("--vllm-baseline", type=Path,
+                      help="the baselines kit's program (vllm_step_baseline.py: N P D -> JSON step_ms_p50, prefill_ms_total)")
     parser.add_argument("--profile-nonblocking", action="store_true",
                         help="py-spy --nonblocking: no pauses, but racy stacks and line numbers")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     quick = args.quick
+    vllm_args = (args.vllm_python, args.vllm_source, args.vllm_baseline)
+    if any(vllm_args) and not all(vllm_args):
+        parser.error("--vllm-python, --vllm-source and --vllm-baseline go together")
+    for name, path in zip(("--vllm-python", "--vllm-source", "--vllm-baseline"), vllm_args):
+        if path is not None and not path.exists():
+            parser.error(f"{name} {path}: no such file or folder")
     plan = Plan(
         rounds=args.rounds or (2 if quick else 5),
         warmup=8 if quick else 32,
@@ -705,6 +789,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor_calls=300 if quick else 2000,
         throughput_steps=100 if quick else 500,
         profile_s=args.profile_seconds or (3 if quick else 8),
+        vllm=VllmBaseline(*vllm_args) if all(vllm_args) else None,
     )
     started = now_ns()
     log_directory = tempfile.TemporaryDirectory(prefix="rpc_bench_")
@@ -719,8 +804,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for index in range(plan.rounds):
             round_start = now_ns()
             run_round(index, plan, server, client, client2, manager, servicer, results)
+            vllm = f", vLLM in-process {results.get('vllm_step').p50[-1]:.2f} ms" if plan.vllm else ""
             print(f"round {index + 1}/{plan.rounds}: {(now_ns() - round_start) / 1e9:.1f} s, 256-op Step p50 "
-                  f"{results.get('raw256').p50[-1]:.2f} ms, in-process {results.get('inproc').p50[-1]:.2f} ms",
+                  f"{results.get('raw256').p50[-1]:.2f} ms, in-process {results.get('inproc').p50[-1]:.2f} ms{vllm}",
                   file=sys.stderr, flush=True)
         profile_lines = []
         if args.profile_server is not None:
