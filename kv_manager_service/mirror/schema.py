@@ -155,6 +155,11 @@ class KeySchema:
         return f"kvcache:{self.model}:{self.hash_algorithm}:{seed_tag}"
 
     def block(self, group_id: int, block_hash: bytes) -> str:
+        """The key of a block entry: a prefix per group, then the hash in hex.
+
+        The writer relies on that shape: it formats `block(group_id, b"")`
+        once per group and appends each hash's hex to it.
+        """
         return f"{self.namespace}:block:{group_id}:{block_hash.hex()}"
 
     def lease(self, replica_id: str) -> str:

@@ -37,9 +37,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from binascii import hexlify
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import redis
 
@@ -113,10 +114,12 @@ class MirrorWriter:
         self.options = options
         self.metrics = MirrorMetrics()
         # What Redis holds for us, as counts per tier: a key is published as a
-        # device entry while its device count is positive, else as a host-only
-        # entry while its host count is.
-        self._published: Counter = Counter()
-        self._published_host: Counter = Counter()
+        # device entry while it has a device count, else as a host-only entry
+        # while it has a host count. Counts are positive: a key whose count
+        # falls to zero (or below) is removed.
+        self._published: dict[BlockKey, int] = {}
+        self._published_host: dict[BlockKey, int] = {}
+        self._key_prefixes: dict[int, bytes] = {}  # group id -> the Redis key of its blocks, less the hash
         self._unsure: set[BlockKey] = set()  # keys a failed pipeline may have written
         self._next_sequence = 1
         self._resync = True
@@ -209,38 +212,51 @@ class MirrorWriter:
     def _republish(self) -> None:
         """Make Redis hold exactly the pool's current cached set, both tiers, for this incarnation."""
         counts, host_keys, sequence = self.snapshot()
-        host_only = set(host_keys) - counts.keys()
-        pipe = HashWrites(self.client)
+        device = {key: count for key, count in counts.items() if count > 0}
+        host_only = set(host_keys) - device.keys()
         published = self._published.keys() | self._published_host.keys()
-        for group_id, block_hash in (published | self._unsure) - counts.keys() - host_only:
-            pipe.hdel(self.schema.block(group_id, block_hash), self.replica_id)
-        for keys, tier in ((counts, Tier.DEVICE), (host_only, Tier.HOST)):
-            value = block_entry_value(self.incarnation, tier)
-            for group_id, block_hash in keys:
-                pipe.hset(self.schema.block(group_id, block_hash), self.replica_id, value)
+        gone = (published | self._unsure) - device.keys() - host_only
+        pipe = HashWrites(self.client)
+        pipe.hdel_each(self._redis_keys(gone), self.replica_id)
+        pipe.hset_each(self._redis_keys(device), self.replica_id, block_entry_value(self.incarnation, Tier.DEVICE))
+        pipe.hset_each(self._redis_keys(host_only), self.replica_id, block_entry_value(self.incarnation, Tier.HOST))
         try:
             pipe.execute()
         except redis.RedisError:
             # These may have landed; the retry deletes what the pool no longer holds.
-            self._unsure.update(counts)
+            self._unsure.update(device)
             self._unsure.update(host_only)
             raise
-        self._published = Counter(counts)
-        self._published_host = Counter(dict.fromkeys(host_keys, 1))
+        self._published = device
+        self._published_host = dict.fromkeys(host_keys, 1)
         self._unsure.clear()
         self._next_sequence = sequence + 1
         self._resync = False
         self.metrics.num_resyncs += 1
         log.info("mirror republished %d block hashes (%d host-only) up to event %d",
-                 len(counts) + len(host_only), len(host_only), sequence)  # fmt: skip
+                 len(device) + len(host_only), len(host_only), sequence)  # fmt: skip
 
     def _entry_tier(self, key: BlockKey) -> Tier | None:
         """The tier the entry of `key` names after the events applied so far; None: no entry."""
-        if self._published[key] > 0:
+        if key in self._published:
             return Tier.DEVICE
-        if self._published_host[key] > 0:
+        if key in self._published_host:
             return Tier.HOST
         return None
+
+    def _redis_keys(self, keys: Iterable[BlockKey]) -> list[bytes]:
+        """The Redis keys of block entries, as KeySchema.block spells them, encoded: one format per group."""
+        prefixes = self._key_prefixes
+        return [
+            (prefixes.get(group_id) or self._key_prefix(group_id)) + hexlify(block_hash)
+            for group_id, block_hash in keys
+        ]
+
+    def _key_prefix(self, group_id: int) -> bytes:
+        """The Redis key of a block of `group_id` without its hash (KeySchema.block of an empty hash)."""
+        prefix = self.schema.block(group_id, b"").encode()
+        self._key_prefixes[group_id] = prefix
+        return prefix
 
     def _write_batch(self) -> None:
         batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0.2)
@@ -254,44 +270,46 @@ class MirrorWriter:
             self._stop.wait(self.options.coalesce_s)
             batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0)
         self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
-        tiers = {Tier.DEVICE: self._published, Tier.HOST: self._published_host}
+        # This loop runs once per block event of the pool, under the GIL its
+        # RPCs need: it is plain dict operations, with `_entry_tier` inlined.
+        device, host = self._published, self._published_host
         before: dict[BlockKey, Tier | None] = {}  # key -> its entry's tier before this batch
         for _, (_, event) in batch:
-            if type(event) is BlockStored or type(event) is BlockRemoved:
-                counts = tiers[event.tier]
-                delta = 1 if type(event) is BlockStored else -1
-                for block_hash in event.block_hashes:
-                    key = (event.group_id, block_hash)
+            if type(event) is AllBlocksCleared:
+                for key in device.keys() | host.keys():
                     if key not in before:
                         before[key] = self._entry_tier(key)
-                    counts[key] += delta
-                    if counts[key] == 0:
-                        del counts[key]
-            else:
-                assert type(event) is AllBlocksCleared
-                for counts in tiers.values():
-                    for key in counts:
-                        if key not in before:
-                            before[key] = self._entry_tier(key)
-                    counts.clear()
-        # key -> the tier its entry names after this batch (None: deleted); only keys that changed.
-        changes: dict[BlockKey, Tier | None] = {}
+                device.clear()
+                host.clear()
+                continue
+            counts = device if event.tier is Tier.DEVICE else host
+            delta = 1 if type(event) is BlockStored else -1
+            group_id = event.group_id
+            for block_hash in event.block_hashes:
+                key = (group_id, block_hash)
+                if key not in before:
+                    before[key] = Tier.DEVICE if key in device else Tier.HOST if key in host else None
+                count = counts.get(key, 0) + delta
+                if count > 0:
+                    counts[key] = count
+                else:
+                    counts.pop(key, None)
+        # The keys whose entry changed, by the tier it names after this batch (None: deleted).
+        changed: dict[Tier | None, list[BlockKey]] = {Tier.DEVICE: [], Tier.HOST: [], None: []}
         for key, tier in before.items():
-            after = self._entry_tier(key)
+            after = Tier.DEVICE if key in device else Tier.HOST if key in host else None
             if after is not tier:
-                changes[key] = after
+                changed[after].append(key)
         pipe = HashWrites(self.client)
-        for (group_id, block_hash), tier in changes.items():
-            key = self.schema.block(group_id, block_hash)
-            if tier is None:
-                pipe.hdel(key, self.replica_id)
-            else:
-                pipe.hset(key, self.replica_id, block_entry_value(self.incarnation, tier))
+        pipe.hdel_each(self._redis_keys(changed[None]), self.replica_id)
+        for tier in (Tier.DEVICE, Tier.HOST):
+            pipe.hset_each(self._redis_keys(changed[tier]), self.replica_id, block_entry_value(self.incarnation, tier))
         try:
             pipe.execute()
         except redis.RedisError:
             # Part of the pipeline may have landed: the resync must clean these too.
-            self._unsure.update(changes)
+            for keys in changed.values():
+                self._unsure.update(keys)
             raise
         last_sequence, (appended_ns, _) = batch[-1]
         self._next_sequence = last_sequence + 1

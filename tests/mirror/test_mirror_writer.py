@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from kv_manager_service.server.broadcast_log import BroadcastLog
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 from kv_manager_service.mirror.schema import KeySchema, Lease, ReplicaIdInUseError
@@ -189,6 +189,96 @@ def wait_converged(redis_server, pool: StandInPool, writer: MirrorWriter) -> Non
 
     wait_until(probe, lambda d: not d["stale"] and not d["missing"] and d["queue_depth"] == 0 and not d["resync_pending"],
                CONVERGE_S, "Redis to hold exactly the pool's cached set")
+
+
+DEVICE_ENTRY = str(INCARNATION)
+HOST_ENTRY = f"{INCARNATION}:host"
+
+
+def entries(redis_server) -> dict[str, str]:
+    """Every block entry of the replica in Redis: its key -> the value of the replica's field."""
+    client = redis_server.client()
+    try:
+        found = {}
+        for key in client.scan_iter(match=f"{SCHEMA.namespace}:block:*"):
+            value = client.hget(key, REPLICA)
+            if value is not None:
+                found[key.decode()] = value.decode()
+        return found
+    finally:
+        client.close()
+
+
+def wait_written(pool: StandInPool, writer: MirrorWriter) -> None:
+    """Until the writer has written every event logged so far."""
+    wait_until(lambda: writer._next_sequence, lambda n: n > pool.events.last_id, CONVERGE_S,
+               "the writer to write every logged event")  # fmt: skip
+
+
+def test_events_of_both_tiers_give_exactly_these_redis_entries(redis_server, rig):
+    """Events in, the exact Redis contents out: per-tier counts, a device entry wins over a host copy,
+    demotion rewrites, the last copy's removal deletes, and a clear drops every key of both tiers."""
+    writer, pool, _ = rig()
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+
+    def log(*events) -> None:
+        for event in events:
+            pool._log(event)
+        wait_written(pool, writer)
+
+    def key(group_id: int, i: int) -> str:
+        return SCHEMA.block(group_id, h(i))
+
+    log(BlockStored(0, (h(1), h(2)), None, 16),
+        BlockStored(0, (h(2),), None, 16),  # a second device block carries h(2)
+        BlockStored(1, (h(1),), None, 16),  # another group's block with the same hash: another key
+        BlockStored(0, (h(3),), None, 0, Tier.HOST),
+        BlockStored(0, (h(1),), None, 0, Tier.HOST))  # fmt: skip
+    assert entries(redis_server) == {key(0, 1): DEVICE_ENTRY, key(0, 2): DEVICE_ENTRY, key(1, 1): DEVICE_ENTRY,
+                                     key(0, 3): HOST_ENTRY}  # fmt: skip
+    log(BlockRemoved(0, (h(1),)),  # only its host copy is left
+        BlockRemoved(0, (h(2),)),  # one of two device copies
+        BlockStored(0, (h(3),), None, 16),  # onloaded
+        BlockRemoved(1, (h(1),)))  # fmt: skip
+    assert entries(redis_server) == {key(0, 1): HOST_ENTRY, key(0, 2): DEVICE_ENTRY, key(0, 3): DEVICE_ENTRY}
+    log(BlockRemoved(0, (h(2),)),
+        BlockRemoved(0, (h(3),), Tier.HOST),  # its device block still carries it
+        BlockRemoved(0, (h(1),), Tier.HOST),
+        BlockStored(0, (h(4),), None, 16),
+        BlockRemoved(0, (h(4),)))  # fmt: skip
+    assert entries(redis_server) == {key(0, 3): DEVICE_ENTRY}
+    log(BlockStored(2, (h(5),), None, 0, Tier.HOST), AllBlocksCleared(), BlockStored(0, (h(6),), None, 0, Tier.HOST))
+    assert entries(redis_server) == {key(0, 6): HOST_ENTRY}
+    assert writer.metrics.num_failures == 0 and writer.metrics.num_resyncs == 1
+
+
+class TieredPool(StandInPool):
+    """A stand-in pool whose snapshot also names the keys its host tier holds."""
+
+    def __init__(self, host: set[bytes]) -> None:
+        super().__init__()
+        self.host = host
+
+    def snapshot(self) -> tuple[Counter, set, int]:
+        counts, _, last_id = super().snapshot()
+        return counts, {(0, block_hash) for block_hash in self.host}, last_id
+
+
+def test_a_republication_writes_both_tiers_exactly_and_deletes_the_rest(redis_server, rig):
+    stale = SCHEMA.block(0, h(9))
+    admin = redis_server.client()
+    try:
+        pool = TieredPool(host={h(1), h(2)})
+        pool.store(h(1), h(1), h(3))
+        writer, pool, _ = rig(pool, start=False)
+        writer._published_host[(0, h(9))] = 1  # published by an earlier life of this writer, no longer held
+        admin.hset(stale, REPLICA, HOST_ENTRY)
+        writer.start()
+        wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+        assert entries(redis_server) == {SCHEMA.block(0, h(1)): DEVICE_ENTRY, SCHEMA.block(0, h(2)): HOST_ENTRY,
+                                         SCHEMA.block(0, h(3)): DEVICE_ENTRY}  # fmt: skip
+    finally:
+        admin.close()
 
 
 def test_duplicate_hashes_are_counted_and_a_clear_then_store_in_one_batch_is_exact(redis_server, rig):
