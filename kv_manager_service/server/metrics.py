@@ -26,6 +26,9 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_mirror_resyncs_total` | counter | full re-publications of the cached set |
 | `kvcache_mirror_fenced` | gauge | 1 when another live manager holds this replica id's lease: the mirror stopped writing |
 | `kvcache_mirror_lookups_skipped_total` | counter | cluster lookups that skipped Redis after a recent failure |
+| `kvcache_mirror_collections_total` | counter | collections of stale index fields this replica ran (it held the deployment's lock) |
+| `kvcache_mirror_collected_fields_total` | counter | stale block fields (earlier incarnations', gone replicas') those collections deleted |
+| `kvcache_mirror_collected_replicas_total` | counter | gone replica ids those collections dropped from the replica set |
 | `kvcache_host_num_blocks` | gauge | blocks of the host-memory tier (host-tier series only with `--num-host-blocks`) |
 | `kvcache_host_num_free_blocks` | gauge | host blocks free (cached free blocks included) |
 | `kvcache_host_usage_ratio` | gauge | share of the host blocks pinned by pending tier copies, 0..1 |
@@ -116,6 +119,12 @@ class ManagerCollector:
              self.cluster.num_skipped if self.cluster else 0),
             (counter, "kvcache_mirror_resyncs", "Full re-publications of the cached set to Redis.",
              mirror.num_resyncs if mirror else 0),
+            (counter, "kvcache_mirror_collections", "Collections of stale index fields this replica ran.",
+             mirror.collector.num_collections if mirror else 0),
+            (counter, "kvcache_mirror_collected_fields", "Stale block fields deleted by this replica's collections.",
+             mirror.collector.num_collected_fields if mirror else 0),
+            (counter, "kvcache_mirror_collected_replicas", "Gone replica ids dropped from the replica set by them.",
+             mirror.collector.num_collected_replicas if mirror else 0),
         ]  # fmt: skip
         if host_tier is not None:
             figures += _host_tier_figures(host_tier)

@@ -264,3 +264,22 @@ def test_the_json_formatter_keeps_extra_fields_and_tracebacks():
     assert (entry["request_ids"], entry["step_id"], entry["code"]) == (["r-1", "r-\u00e9"], 7, "INTERNAL")
     assert entry["blob"].startswith("<object object")
     assert entry["exc"].startswith("Traceback") and "ValueError: boom" in entry["exc"]
+
+
+def test_the_mirror_collectors_figures_are_exported_as_counters():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kv_manager_service.core import GroupKind, GroupSpec, KVCacheManager
+    from kv_manager_service.mirror.collector import CollectorMetrics
+    from kv_manager_service.mirror.writer import MirrorMetrics
+    from kv_manager_service.server.metrics import ManagerCollector
+    from kv_manager_service.server.replica import Replica
+
+    config = KVCacheConfig(num_blocks=8, groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16),), enable_events=True)
+    mirror = MirrorMetrics(collector=CollectorMetrics(num_collections=2, num_collected_fields=37, num_collected_replicas=1))
+    registry = CollectorRegistry()
+    registry.register(ManagerCollector(Replica(KVCacheManager(config), "metrics-test", 1), mirror))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    for name, value in (("kvcache_mirror_collections", 2), ("kvcache_mirror_collected_fields", 37),
+                        ("kvcache_mirror_collected_replicas", 1)):  # fmt: skip
+        assert families[name].type == "counter" and families[name].samples[0].value == value
