@@ -102,10 +102,10 @@ def restart_bench(directory: Path, histories: list[int], request_steps: int, num
         checkpoints = iter(histories)
         checkpoint = next(checkpoints)
         for step, request in enumerate(decode_workload(histories[-1], request_steps), 1):
-            ops = convert.step_ops(request)
+            ops, decode = convert.step_ops(request)
             snapshot_end = journal.snapshot_end
             started = time.perf_counter()
-            replica.step(ops, len(request.decode.request_ids), request)
+            replica.step(ops, decode, request)
             if journal.snapshot_end != snapshot_end:
                 pauses.append((time.perf_counter() - started, journal.snapshot_end))
             if step == checkpoint:

@@ -11,17 +11,18 @@ keeps the client in this process, and measures in one run:
    bytes (no client-side proto work), through `KVManagerClient.decode`, as
    nested `ops` (one AllocateRequest per op, prebuilt) and through
    `KVManagerClient.step(ops)`.
-3. the same 256 decode ops in-process: `KVCacheManager.step([AllocateOp(rid,
-   [tok], 1), ...])` on a core built from the same flags as the server's
-   (events on, as the server runs it); building the op list is not timed.
+3. the same 256 decode entries in-process, on a core built from the same
+   flags as the server's (events on, as the server runs it): as the
+   `DecodeBatch` the server applies (`KVCacheManager.step((), decode=...)`),
+   and as 256 `AllocateOp(rid, [tok], 1)`; building the input is not timed.
 4. throughput: request-steps per second with back-to-back 256-op Steps from
    one client, and from two clients in threads (separate connections and
    request sets), with the CPU seconds each process spent per Step.
 5. where a 256-op Step's server time goes: the servicer's pipeline run
    in-process without gRPC, phase by phase, on another identical core
    (proto decode, convert.step_ops, the replica's checks, core step,
-   convert.step_delta, the step-log append, event publishing,
-   convert.decode_results, response assembly, response encode), plus the
+   convert.step_delta, the step-log append, event publishing, response
+   assembly with convert.decode_results, response encode), plus the
    client's own proto work.
 
 Every round measures all of these, in-process right after the RPC it is
@@ -81,7 +82,7 @@ from kv_manager_service.rpc import convert
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.launch import LaunchedProcess, launch
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
-from kv_manager_service.core import AllocateOp, AllocateStatus, KVCacheConfig, KVCacheManager
+from kv_manager_service.core import AllocateOp, AllocateStatus, DecodeBatch, KVCacheConfig, KVCacheManager
 from kv_manager_service.server.replica import Replica
 from kv_manager_service.server.servicer import KVManagerServicer
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -159,6 +160,9 @@ class Workload:
 
     def admit_ops(self) -> list[AllocateOp]:
         return [AllocateOp(r, p, len(p)) for r, p in zip(self.request_ids, self.prompts)]
+
+    def decode_batch(self, step: int) -> DecodeBatch:
+        return DecodeBatch(self.request_ids, self.tokens[step % NUM_PREBUILT])
 
     def decode_ops(self, step: int) -> list[AllocateOp]:
         return [AllocateOp(r, [t], 1) for r, t in zip(self.request_ids, self.tokens[step % NUM_PREBUILT])]
@@ -270,14 +274,13 @@ class Results:
 
 PHASES = (
     ("decode", "proto decode: StepRequest.FromString"),
-    ("step_ops", "convert.step_ops: building 256 AllocateOps"),
-    ("checks", "Replica.step: token/op limits + decode ops continue live requests"),
+    ("step_ops", "convert.step_ops: the DecodeBatch's two columns as lists"),
+    ("checks", "Replica.step: token/op limits"),
     ("core", "core: KVCacheManager.step (its StepDelta included)"),
     ("delta", "convert.step_delta + SerializeToString: the logged StepDelta"),
     ("log", "step log append (BroadcastLog)"),
     ("events", "_publish_events: take_events (converted when sent)"),
-    ("decode_results", "convert.decode_results"),
-    ("assemble", "StepResponse + decode.CopyFrom"),
+    ("assemble", "StepResponse + convert.decode_results (columns in place)"),
     ("encode", "response encode: SerializeToString"),
 )
 CLIENT_PHASES = (
@@ -304,14 +307,14 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
         t0 = now_ns()
         request = pb.StepRequest.FromString(data)
         t1 = now_ns()
-        ops = convert.step_ops(request)
+        ops, decode = convert.step_ops(request)
         t2 = now_ns()
-        num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
-        assert num_tokens <= replica.limits.max_tokens_per_call and len(ops) <= replica.limits.max_ops_per_step
+        num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp) + len(decode.token_ids)
+        num_ops = len(ops) + len(decode.request_ids)
+        assert num_tokens <= replica.limits.max_tokens_per_call and num_ops <= replica.limits.max_ops_per_step
         with replica.lock:
-            assert all(manager.has_request(op.request_id) for op in ops)
             t3 = now_ns()
-            result = manager.step(ops)
+            result = manager.step(ops, decode=decode)
             t4 = now_ns()
             delta = convert.step_delta(result.delta).SerializeToString()
             t5 = now_ns()
@@ -319,12 +322,9 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
             t6 = now_ns()
             replica._publish_events()
             t7 = now_ns()
-        num_nested = len(request.ops)
-        decode = convert.decode_results(result.results[num_nested:])
-        t8 = now_ns()
         response = pb.StepResponse(step_id=result.step_id)
-        response.results.extend([convert.step_result(r) for r in result.results[:num_nested]])
-        response.decode.CopyFrom(decode)
+        response.results.extend([convert.step_result(r) for r in result.results])
+        convert.decode_results(result.decode, response.decode)
         t9 = now_ns()
         out = response.SerializeToString()
         t10 = now_ns()
@@ -350,8 +350,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
         if i >= plan.warmup:
             for key, start, end in (
                 ("decode", t0, t1), ("step_ops", t1, t2), ("checks", t2, t3), ("core", t3, t4),
-                ("delta", t4, t5), ("log", t5, t6), ("events", t6, t7), ("decode_results", t7, t8),
-                ("assemble", t8, t9), ("encode", t9, t10),
+                ("delta", t4, t5), ("log", t5, t6), ("events", t6, t7), ("assemble", t7, t9), ("encode", t9, t10),
                 ("c_build", c0, c1), ("c_encode", c1, c2), ("c_parse", c2, c3), ("c_tuples", c3, c4),
             ):
                 phase_ns[key].append(end - start)
@@ -473,17 +472,25 @@ def run_round(
     admitted = manager.step(w256.admit_ops())
     assert all(r.status is AllocateStatus.OK for r in admitted.results)
     manager.take_events()
-    inproc = []
+    inproc, inproc_ops = [], []
     for i in range(warmup + steps):
+        batch = w256.decode_batch(i)
+        start = now_ns()
+        result = manager.step((), decode=batch)
+        elapsed = now_ns() - start
+        manager.take_events()  # the server drains them every step; not timed, as in core_bench
+        assert all(status is AllocateStatus.OK for status in result.decode.statuses)
         ops = w256.decode_ops(i)
         start = now_ns()
         result = manager.step(ops)
-        elapsed = now_ns() - start
-        manager.take_events()  # the server drains them every step; not timed, as in core_bench
+        elapsed_ops = now_ns() - start
+        manager.take_events()
         assert all(r.status is AllocateStatus.OK for r in result.results)
         if i >= warmup:
             inproc.append(elapsed)
+            inproc_ops.append(elapsed_ops)
     results.get("inproc").add_samples(inproc)
+    results.get("inproc_ops").add_samples(inproc_ops)
     inproc_p50 = results.get("inproc").p50[-1]
     manager.free(w256.request_ids)
     manager.take_events()
@@ -545,7 +552,7 @@ PROFILE_CATEGORIES = (
     ("delta", "convert.step_delta (the logged StepDelta)", ("step_delta (kv_manager_service/rpc/convert.py",)),
     ("log", "step log append", ("(kv_manager_service/server/broadcast_log.py",)),
     ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
-    ("step_ops", "convert.step_ops (building AllocateOps)", ("step_ops (", "step_ops.<locals>")),
+    ("step_ops", "convert.step_ops (the decode columns as lists)", ("step_ops (", "step_ops.<locals>")),
     ("decode_results", "convert.decode_results", ("decode_results (", "decode_results.<locals>")),
     ("apply", "Replica.step, rest (limits, live-request checks, lock)", ("Replica.step (",)),
     ("step", "service.Step, rest (StepResponse, CopyFrom)", ("KVManagerServicer.Step (",)),
@@ -682,8 +689,10 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
             note="raw stub, prebuilt request"),
         row("2", "Step, 256 ops via KVManagerClient.step(AllocateOps)", s["clientstep256"], "ms",
             note="nested ops, client converts both ways"),
-        row("3", "in-process KVCacheManager.step, 256 decode ops", s["inproc"], "ms",
-            note="identical core (events on); op list not timed"),
+        row("3", "in-process KVCacheManager.step, 256-entry DecodeBatch", s["inproc"], "ms",
+            note="identical core (events on), as the server applies it; input not timed"),
+        row("3", "in-process KVCacheManager.step, the same as 256 AllocateOps", s["inproc_ops"], "ms",
+            note="the op-per-request form; op list not timed"),
         row("3", "ratio: columnar raw Step p50 / in-process p50", s["ratio_raw_inproc"], "x",
             note="per round, same round"),
         row("3", "ratio: KVManagerClient.decode p50 / in-process p50", s["ratio_client_inproc"], "x"),

@@ -39,6 +39,8 @@ from kv_manager_service.core.ops import (
     BlockCopy,
     BlockTable,
     CacheHit,
+    DecodeBatch,
+    DecodeResults,
     ForkOp,
     ForkResult,
     FreeOp,
@@ -92,6 +94,13 @@ class KVCacheManager:
             (m.group_id, m.block_size, isinstance(m, CrossAttentionManager)) for m in self.managers
         ]
         self._no_groups: tuple[GroupAllocation, ...] = ()
+        # (group id, block size) per group when every group is plain attention, whose tables only grow at
+        # the end; None when a group recycles slots or reads an encoder. See `_decode`.
+        self._in_place_layout = (
+            None
+            if self._recycling or any(is_cross for _, _, is_cross in self._group_layout)
+            else [(group_id, block_size) for group_id, block_size, _ in self._group_layout]
+        )
         # Free blocks the running step must leave in the free queue (its block budget); 0 between steps.
         self._reserve = 0
 
@@ -129,19 +138,25 @@ class KVCacheManager:
     def fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> ForkResult:
         return self.step((ForkOp(parent_request_id, child_request_ids),)).results[0]
 
-    def step(self, ops: Sequence[Op], max_new_blocks: int | None = None) -> StepResult:
+    def step(
+        self, ops: Sequence[Op], max_new_blocks: int | None = None, decode: DecodeBatch | None = None
+    ) -> StepResult:
         """Apply `ops` in order as one step, atomically with respect to bad input.
 
         Every op is validated first (at most one op per request id, fork
         parent and children included); any invalid op raises and nothing
         changes. `NO_SPACE` is a per-op result, not an error.
 
+        `decode`: one more token for each of its live requests, applied after
+        `ops` (see `DecodeBatch`); its entries are validated with the ops,
+        located at op indices len(ops) + i, and answered in `StepResult.decode`.
+
         `max_new_blocks` is a budget (a quota's room): the step takes at most
         this many blocks out of the free queue, net of those it puts back. An
         allocate op that would go past it gets `NO_SPACE` and changes nothing,
         exactly as when the pool itself is short.
         """
-        self._validator.validate_step(ops)
+        self._validator.validate_step(ops, decode)
         self.last_step_id += 1
         step_id = self.last_step_id
         results: list[OpResult] = []
@@ -150,6 +165,7 @@ class KVCacheManager:
         blocks_appended: list[BlockAppend] = []
         copies: list[BlockCopy] = []
         requests_freed: list[str] = []
+        decode_results = None
         ok = AllocateStatus.OK
         host_tier = self.host_tier
         if host_tier is not None:
@@ -168,14 +184,7 @@ class KVCacheManager:
                         if result.status is ok:
                             rows_added.append(self.block_table(request_id))
                     else:
-                        result = self._continue(request, op, step_id)
-                        for group in result.groups:
-                            if group.new_block_ids:
-                                blocks_appended.append(
-                                    BlockAppend(request_id, group.group_id, group.new_block_index, group.new_block_ids)
-                                )
-                        if result.copies:
-                            copies += result.copies
+                        result = self._continue_into_delta(request, op, step_id, blocks_appended, copies)
                     if host_tier is not None:
                         result = self._with_tier_copies(result, num_offloads, num_onloads)
                     results.append(result)
@@ -186,13 +195,15 @@ class KVCacheManager:
                     self._fork(op.parent_request_id, op.child_request_ids)
                     results.append(ForkResult(step_id))
                     rows_added += [self.block_table(child_id) for child_id in op.child_request_ids]
+            if decode is not None:
+                decode_results = self._decode(decode, step_id, blocks_appended, copies)
         finally:
             self._reserve = 0
         delta = StepDelta(step_id, tuple(rows_added), tuple(blocks_appended), tuple(copies), tuple(requests_freed))
         if host_tier is not None:
             offloads, onloads = host_tier.take_step_copies()
             delta = delta._replace(offloads=offloads, onloads=onloads)
-        return StepResult(step_id, tuple(results), delta)
+        return StepResult(step_id, tuple(results), delta, decode_results)
 
     def _with_tier_copies(self, result: AllocateResult, num_offloads: int, num_onloads: int) -> AllocateResult:
         """`result` with the tier copies its op queued: those past the given counts of the step's lists."""
@@ -548,23 +559,15 @@ class KVCacheManager:
                 self._hash_tail(request)
 
         num_committed = num_computed + num_scheduled
-        num_cached_blocks = request.num_cached_blocks
         if not shared and not num_needed:
             # The common decode step: every slot it writes is in the table already and held by it
             # alone, so no table changes; the same result as the general path below, sooner.
-            groups = []
-            for manager in self.managers:
-                group_id = manager.group_id
-                table = tables[group_id]
-                groups.append(GroupAllocation(group_id, (), (), len(table)))
-                if num_cached_blocks[group_id] < num_committed // manager.block_size:
-                    num_cached_blocks[group_id] = manager.cache_blocks(
-                        table, request.block_hashes, num_cached_blocks[group_id], num_committed
-                    )
-            request.num_computed_tokens = num_committed
-            return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), (), step_id)
+            self._commit(request, num_committed)
+            groups = tuple([GroupAllocation(m.group_id, (), (), len(tables[m.group_id])) for m in self.managers])
+            return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, groups, (), step_id)
 
         copies = []
+        num_cached_blocks = request.num_cached_blocks
         first_changed = [len(table) for table in tables]
         for group_id, index in shared:
             table = tables[group_id]
@@ -601,6 +604,100 @@ class KVCacheManager:
                 )
         request.num_computed_tokens = num_committed
         return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), tuple(copies), step_id)
+
+    def _commit(self, request: RequestState, num_committed: int) -> None:
+        """Count the request's first `num_committed` tokens as computed, caching the blocks they fill.
+
+        For a step that changed no table (the general path interleaves this with its allocations)."""
+        num_cached_blocks = request.num_cached_blocks
+        tables = request.tables
+        for manager in self.managers:
+            group_id = manager.group_id
+            if num_cached_blocks[group_id] < num_committed // manager.block_size:
+                num_cached_blocks[group_id] = manager.cache_blocks(
+                    tables[group_id], request.block_hashes, num_cached_blocks[group_id], num_committed
+                )
+        request.num_computed_tokens = num_committed
+
+    def _continue_into_delta(
+        self,
+        request: RequestState,
+        op: AllocateOp,
+        step_id: int,
+        blocks_appended: list[BlockAppend],
+        copies: list[BlockCopy],
+    ) -> AllocateResult:
+        """`_continue`, adding the tables it changed and the copies it ordered to the step's delta."""
+        result = self._continue(request, op, step_id)
+        for group in result.groups:
+            if group.new_block_ids:
+                blocks_appended.append(
+                    BlockAppend(op.request_id, group.group_id, group.new_block_index, group.new_block_ids)
+                )
+        if result.copies:
+            copies += result.copies
+        return result
+
+    def _decode(
+        self, batch: DecodeBatch, step_id: int, blocks_appended: list[BlockAppend], copies: list[BlockCopy]
+    ) -> DecodeResults:
+        """Each entry of `batch` as `_continue` applies its allocate op, the results in columns.
+
+        An entry whose one new token goes into a slot that every table holds
+        already, and alone, changes no table: only the request's counts, its
+        hash chain and the cache (the fast path of `_continue`). Almost every
+        entry of a decode step is one; they are applied here without building
+        an op or a result. The rest (a block to append or to copy, a group that
+        recycles slots or reads an encoder) go through `_continue` itself.
+        """
+        ok = AllocateStatus.OK
+        statuses: list[AllocateStatus] = []
+        num_computed_tokens: list[int] = []
+        changes: list[tuple[int, GroupAllocation]] = []
+        decode_copies: list[BlockCopy] = []
+        requests = self.requests
+        in_place_layout = self._in_place_layout
+        hashes_tokens = self.enable_caching
+        hash_block_size = self.hash_block_size
+        for index, (request_id, token_id) in enumerate(zip(batch.request_ids, batch.token_ids)):
+            request = requests[request_id]
+            num_computed = request.num_computed_tokens
+            if in_place_layout is not None and self._writes_in_place(request.tables, num_computed):
+                request.num_tokens += 1
+                if hashes_tokens:
+                    tail = request.tail_token_ids
+                    tail.append(token_id)
+                    if len(tail) >= hash_block_size:
+                        self._hash_tail(request)
+                self._commit(request, num_computed + 1)
+                statuses.append(ok)
+                num_computed_tokens.append(num_computed)
+                continue
+            op = AllocateOp(request_id, [token_id], 1)
+            result = self._continue_into_delta(request, op, step_id, blocks_appended, copies)
+            statuses.append(result.status)
+            num_computed_tokens.append(result.num_computed_tokens)
+            changes += [(index, group) for group in result.groups if group.new_block_ids]
+            decode_copies += result.copies
+        return DecodeResults(statuses, num_computed_tokens, changes, decode_copies)
+
+    def _writes_in_place(self, tables: list[list[KVCacheBlock]], position: int) -> bool:
+        """Whether the token at `position` goes into a slot every table holds already, and alone.
+
+        For plain attention groups only (`_in_place_layout`). Alone: no other
+        live table holds the block (a reference a pending copy holds does not
+        count), so writing it needs no copy-on-write; as `_continue` decides.
+        """
+        retained = self._retained
+        for group_id, block_size in self._in_place_layout:
+            table = tables[group_id]
+            slot = position // block_size
+            if slot >= len(table):
+                return False
+            block = table[slot]
+            if block.ref_cnt > 1 and block.ref_cnt - retained.get(block, 0) > 1:
+                return False
+        return True
 
     def _hash_tail(self, request: RequestState) -> None:
         """Extend the request's hash chain over the hash blocks its tail now fills."""

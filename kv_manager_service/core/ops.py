@@ -65,6 +65,23 @@ class ForkOp(NamedTuple):
 Op = Union[AllocateOp, FreeOp, ForkOp]
 
 
+class DecodeBatch(NamedTuple):
+    """The common step in columns: each live request appends and schedules the one token it sampled.
+
+    Entry i means exactly `AllocateOp(request_ids[i], [token_ids[i]], 1)`; the
+    entries run after the step's other ops, in order. Unlike an allocate op, an
+    entry only continues a live request. Its results come in columns too
+    (`DecodeResults`), so that the common entry, which writes into a slot its
+    tables already hold, builds no object at all.
+    """
+
+    request_ids: Sequence[str]
+    token_ids: Sequence[int]
+
+    def as_ops(self) -> list[AllocateOp]:
+        return [AllocateOp(request_id, [token_id], 1) for request_id, token_id in zip(self.request_ids, self.token_ids)]
+
+
 class GroupAllocation(NamedTuple):
     """How one group's table changed.
 
@@ -90,6 +107,20 @@ class AllocateResult(NamedTuple):
     # Host-tier copies this op ordered (always empty without a host tier).
     offloads: tuple[TierCopy, ...] = ()
     onloads: tuple[TierCopy, ...] = ()
+
+
+class DecodeResults(NamedTuple):
+    """A `DecodeBatch`'s results, entry i in position i of each column, as its AllocateResult says them.
+
+    `changes` lists (entry index, GroupAllocation) for each table that changed
+    (new blocks, or a shared block replaced by its copy), in entry order;
+    `copies` the entries' copy-on-write copies, in entry order.
+    """
+
+    statuses: list[AllocateStatus]
+    num_computed_tokens: list[int]
+    changes: list[tuple[int, GroupAllocation]]
+    copies: list[BlockCopy]
 
 
 class FreeResult(NamedTuple):
@@ -157,11 +188,13 @@ class StepResult(NamedTuple):
 
     `delta` is built by the core, which alone knows which ops admitted a
     request; a client that rebuilds a StepResult from a response leaves it None.
+    `decode` holds the results of the step's DecodeBatch, if it had one.
     """
 
     step_id: int
     results: tuple[OpResult, ...]
     delta: StepDelta | None = None
+    decode: DecodeResults | None = None
 
 
 class PrefixLookupKeys(NamedTuple):

@@ -15,7 +15,7 @@ from kv_manager_service.rpc.errors import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.hashing import MMFeature
-from kv_manager_service.core.ops import AllocateOp, ForkOp, FreeOp, Op
+from kv_manager_service.core.ops import AllocateOp, DecodeBatch, ForkOp, FreeOp, Op
 from kv_manager_service.core.request import RequestState
 
 MAX_TOKEN_ID = (1 << 32) - 1
@@ -32,11 +32,12 @@ class StepValidator:
         self.requests = requests
         self.config = config
 
-    def validate_step(self, ops: Sequence[Op]) -> None:
+    def validate_step(self, ops: Sequence[Op], decode: DecodeBatch | None = None) -> None:
         """Raise on the first invalid op, its field named `ops[i].<field>`. Changes nothing.
 
         The live-request limit is checked as the ops would run: a free earlier
-        in the step makes room for an admission after it.
+        in the step makes room for an admission after it. Entry i of `decode`
+        is checked as op len(ops) + i.
         """
         seen: set[str] = set()
         num_live = len(self.requests)
@@ -77,8 +78,53 @@ class StepValidator:
             except KVCacheError as error:
                 error.locate(index)
                 raise
+        if decode is not None:
+            self._validate_decode(decode, len(ops), seen)
         if over_limit is not None:  # reported after every op's own mistakes
             raise over_limit
+
+    def _validate_decode(self, batch: DecodeBatch, first_index: int, seen: set[str]) -> None:
+        """Checks a decode batch as the allocate ops it stands for, entry i located at op `first_index` + i.
+
+        `seen`: the request ids of the step's other ops. An entry must continue a live request.
+        """
+        request_ids, token_ids = batch
+        if len(request_ids) != len(token_ids):
+            raise InvalidArgumentError(
+                f"decode has {len(request_ids)} request_ids but {len(token_ids)} token_ids; they must pair up",
+                "decode.token_ids",
+            )
+        try:
+            array("I", token_ids)  # one C pass over the column; the loop below runs only to locate a mistake
+        except (OverflowError, TypeError, ValueError):
+            for index, token_id in enumerate(token_ids, first_index):
+                try:
+                    check_token_ids((token_id,), "token_ids")
+                except KVCacheError as error:
+                    error.locate(index)
+                    raise
+        requests = self.requests
+        max_model_len = self.config.max_model_len
+        for index, request_id in enumerate(request_ids, first_index):
+            try:
+                request = requests.get(request_id)
+                if request is None:
+                    raise RequestNotFoundError(
+                        f"decode entry {index - first_index}: unknown request id {request_id!r} "
+                        "(decode continues live requests)",
+                        "request_id",
+                    )
+                if request.num_tokens >= max_model_len:
+                    self._check_length(AllocateOp(request_id, (), 1), request.num_tokens + 1)
+                if request_id in seen:
+                    raise InvalidArgumentError(
+                        f"request id {request_id!r} appears in more than one op of the step, or twice in one op",
+                        "request_id",
+                    )
+                seen.add(request_id)
+            except KVCacheError as error:
+                error.locate(index)
+                raise
 
     def _validate_allocate(self, op: AllocateOp) -> int:
         """Checks one allocate op; returns 1 if it admits a new request, else 0."""

@@ -26,7 +26,7 @@ from kv_manager_service.core import (
     StepDelta,
 )
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kv_manager_service.core.ops import Op, OpResult, StepResult
+from kv_manager_service.core.ops import DecodeBatch, DecodeResults, Op, OpResult, StepResult
 from kvcache.v1 import kv_manager_pb2 as pb
 
 GROUP_KINDS = {
@@ -75,8 +75,8 @@ def fork_op(message: pb.ForkRequest) -> ForkOp:
     return ForkOp(message.parent_request_id, list(message.child_request_ids))
 
 
-def step_ops(message: pb.StepRequest) -> list[Op]:
-    """The ops of a Step: nested ops first, then the decode batch's, in order."""
+def step_ops(message: pb.StepRequest) -> tuple[list[Op], DecodeBatch | None]:
+    """The nested ops of a Step, and its decode batch (None when it has no entries)."""
     ops: list[Op] = []
     for index, op in enumerate(message.ops):
         kind = op.WhichOneof("op")
@@ -96,13 +96,7 @@ def step_ops(message: pb.StepRequest) -> list[Op]:
             f"decode has {len(request_ids)} request_ids but {len(token_ids)} token_ids; they must pair up",
             "decode.token_ids",
         )
-    # tuple.__new__ skips the NamedTuple constructor's argument handling: a
-    # third of the cost of building 256 decode ops.
-    make = tuple.__new__
-    ops.extend(
-        [make(AllocateOp, (r, [t], 1, 0, 0, None, None, (), False)) for r, t in zip(request_ids, token_ids)]
-    )
-    return ops
+    return ops, DecodeBatch(list(request_ids), list(token_ids)) if request_ids else None
 
 
 # -- core -> responses -----------------------------------------------------------
@@ -138,31 +132,23 @@ def step_result(result: OpResult) -> pb.StepResult:
 
 def step_response(request: pb.StepRequest, result: StepResult) -> pb.StepResponse:
     """One result per nested op, then the decode batch's results in columns."""
-    num_nested = len(request.ops)
     response = pb.StepResponse(step_id=result.step_id)
-    response.results.extend([step_result(r) for r in result.results[:num_nested]])
-    if len(request.decode.request_ids):
-        response.decode.CopyFrom(decode_results(result.results[num_nested:]))
+    response.results.extend([step_result(r) for r in result.results])
+    if result.decode is not None:
+        decode_results(result.decode, response.decode)
     return response
 
 
-def decode_results(results: Sequence[AllocateResult]) -> pb.DecodeResults:
-    """Columns for the decode batch; only tables that changed are listed."""
-    decode = pb.DecodeResults()
-    decode.statuses.extend([r.status for r in results])
-    decode.num_computed_tokens.extend([r.num_computed_tokens for r in results])
-    for index, result in enumerate(results):
-        for group in result.groups:
-            if group.new_block_ids:
-                decode.changes.add(
-                    op_index=index,
-                    group_id=group.group_id,
-                    new_block_index=group.new_block_index,
-                    new_block_ids=group.new_block_ids,
-                )
-        for copy in result.copies:
-            decode.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
-    return decode
+def decode_results(results: DecodeResults, message: pb.DecodeResults) -> None:
+    """Fill `message` with a decode batch's columns; only tables that changed are listed."""
+    message.statuses.extend(results.statuses)
+    message.num_computed_tokens.extend(results.num_computed_tokens)
+    for index, group in results.changes:
+        message.changes.add(
+            op_index=index, group_id=group.group_id, new_block_index=group.new_block_index, new_block_ids=group.new_block_ids
+        )
+    for copy in results.copies:
+        message.copies.add(src_block_id=copy.src_block_id, dst_block_id=copy.dst_block_id)
 
 
 def step_delta(delta: StepDelta) -> pb.StepDelta:

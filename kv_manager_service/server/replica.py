@@ -63,10 +63,10 @@ from kv_manager_service.core import (
     StepResult,
 )
 from kv_manager_service.core.events import KVEvent
-from kv_manager_service.core.ops import Op
+from kv_manager_service.core.ops import DecodeBatch, Op
 from kv_manager_service.mirror.schema import Lease
 from kv_manager_service.rpc import convert
-from kv_manager_service.rpc.errors import InvalidArgumentError, OutOfRangeError, RequestNotFoundError, ShuttingDownError
+from kv_manager_service.rpc.errors import InvalidArgumentError, OutOfRangeError, ShuttingDownError
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
 from kv_manager_service.server.journal import Journal
@@ -210,38 +210,36 @@ class Replica:
                     self.manager.check_invariants()
                 self._publish_stats()
 
-    def step(self, ops: Sequence[Op], num_decode: int = 0, request: pb.StepRequest | None = None) -> StepResult:
+    def step(
+        self, ops: Sequence[Op], decode: DecodeBatch | None = None, request: pb.StepRequest | None = None
+    ) -> StepResult:
         """Apply one step, then log its delta and events and journal it. Invalid input changes nothing.
 
-        The last `num_decode` ops come from a Step's decode columns: they must
-        continue live requests (a RequestNotFoundError located at that op
-        otherwise). `request`: the Step message the ops come from, journaled
-        as sent; None for a single-op call, journaled as a Step of its ops.
+        `decode`: a Step's decode columns (they continue live requests).
+        `request`: the Step message the ops come from, journaled as sent; None
+        for a single-op call, journaled as a Step of its ops.
         """
         num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
+        num_ops = len(ops)
+        if decode is not None:
+            num_tokens += len(decode.token_ids)
+            num_ops += len(decode.request_ids)
         if num_tokens > self.limits.max_tokens_per_call:
             raise InvalidArgumentError(
                 f"the call carries {num_tokens} token ids; the limit max_tokens_per_call is "
                 f"{self.limits.max_tokens_per_call}",
                 "token_ids",
             )
-        if len(ops) > self.limits.max_ops_per_step:
+        if num_ops > self.limits.max_ops_per_step:
             raise InvalidArgumentError(
-                f"the step has {len(ops)} ops; the limit max_ops_per_step is {self.limits.max_ops_per_step}", "ops"
+                f"the step has {num_ops} ops; the limit max_ops_per_step is {self.limits.max_ops_per_step}", "ops"
             )
-        num_nested = len(ops) - num_decode
         manager = self.manager
         with self.mutating():
-            for index in range(num_nested, len(ops)):
-                if not manager.has_request(ops[index].request_id):
-                    error = RequestNotFoundError(
-                        f"decode entry {index - num_nested}: unknown request id {ops[index].request_id!r} "
-                        "(decode continues live requests)",
-                        "request_id",
-                    )
-                    error.locate(index)
-                    raise error
-            result = manager.step(ops) if self.tenancy is None else self.tenancy.step(manager, ops)
+            if self.tenancy is None:
+                result = manager.step(ops, decode=decode)
+            else:
+                result = self.tenancy.step(manager, ops, decode)
             if self.journal is not None:
                 journaled = request if request is not None else convert.step_request(ops)
                 self._journal(journal_pb2.JournalRecord(step=journal_pb2.JournalStep(ops=journaled)))
@@ -251,7 +249,11 @@ class Replica:
         return result
 
     def keyed_step(
-        self, request: pb.StepRequest, ops: Sequence[Op], num_decode: int, respond: Callable[[StepResult], pb.StepResponse]
+        self,
+        request: pb.StepRequest,
+        ops: Sequence[Op],
+        decode: DecodeBatch | None,
+        respond: Callable[[StepResult], pb.StepResponse],
     ) -> pb.StepResponse:
         """Apply a Step that carries an idempotency key once; a repeat gets the first response.
 
@@ -265,7 +267,7 @@ class Replica:
             stored = self.step_keys.get(key, fingerprint)
             if stored is not None:
                 return pb.StepResponse.FromString(stored)
-            response = respond(self.step(ops, num_decode, request))
+            response = respond(self.step(ops, decode, request))
             self.step_keys.put(key, fingerprint, response.SerializeToString())
         return response
 
@@ -408,17 +410,16 @@ class Replica:
             kind = record.WhichOneof("entry")
             if kind == "step":
                 request = record.step.ops
-                ops = convert.step_ops(request)
+                ops, decode = convert.step_ops(request)
                 if request.idempotency_key:
                     # It was applied, so it is applied again (a key forgotten and reused since, under
                     # a smaller retention than now, must not be taken for a repeat), and remembered.
                     self.step_keys.forget(request.idempotency_key)
-                    num_decode = len(ops) - len(request.ops)
-                    self.keyed_step(request, ops, num_decode, lambda result: convert.step_response(request, result))
+                    self.keyed_step(request, ops, decode, lambda result: convert.step_response(request, result))
                 else:
                     # A single-op call is journaled as a Step whose decode-shaped op may sit in the
-                    # decode columns, though it may have admitted its request: no decode check.
-                    self.step(ops)
+                    # decode columns, though it may have admitted its request: applied as allocate ops.
+                    self.step(ops + decode.as_ops() if decode is not None else ops)
             elif kind == "ack":
                 # A journal written before registration came only from WatchSteps holds
                 # acknowledgements of workers it never registered: they register here.

@@ -180,16 +180,15 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
     @_unary()
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         self._scope(request, context)
-        ops = convert.step_ops(request)
-        num_nested = len(request.ops)
+        ops, decode = convert.step_ops(request)
         try:
             if request.idempotency_key:
                 return self.replica.keyed_step(
-                    request, ops, len(ops) - num_nested, lambda result: convert.step_response(request, result)
+                    request, ops, decode, lambda result: convert.step_response(request, result)
                 )
-            return convert.step_response(request, self.replica.step(ops, len(ops) - num_nested, request))
+            return convert.step_response(request, self.replica.step(ops, decode, request))
         except KVCacheError as error:
-            error.field = _wire_field(error, num_nested, unary=False)
+            error.field = _wire_field(error, len(ops), unary=False)
             raise
 
     @_unary()

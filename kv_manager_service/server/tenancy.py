@@ -61,7 +61,7 @@ from kv_manager_service.core import (
     KVCacheManager,
     StepResult,
 )
-from kv_manager_service.core.ops import Op
+from kv_manager_service.core.ops import DecodeBatch, Op
 from kv_manager_service.rpc.security import TokenTable
 from kvcache.v1 import kv_manager_pb2 as pb
 
@@ -179,11 +179,11 @@ class Tenancy:
 
     # -- accounting (the replica's lock held) --------------------------------------------
 
-    def step(self, manager: KVCacheManager, ops: Sequence[Op]) -> StepResult:
+    def step(self, manager: KVCacheManager, ops: Sequence[Op], decode: DecodeBatch | None = None) -> StepResult:
         """Run one tenant's scoped step with its quota's budget, and count what it changed."""
-        tenant = _tenant_of(ops)
+        tenant = _tenant_of(ops, decode)
         if tenant is None:  # an empty step
-            return manager.step(ops)
+            return manager.step(ops, decode=decode)
         usage = self._usage(tenant)
         base_salt = self._base_salts.get(tenant)
         live = manager.has_request
@@ -198,17 +198,20 @@ class Tenancy:
         )
         before = manager.stats()
         budget = None if usage.quota_blocks is None else usage.quota_blocks - usage.num_blocks
-        result = manager.step(ops, max_new_blocks=budget)
+        result = manager.step(ops, max_new_blocks=budget, decode=decode)
         after = manager.stats()
         usage.num_blocks += before.num_free_blocks - after.num_free_blocks
         usage.num_requests += after.num_requests - before.num_requests
         usage.prefix_cache_queries += after.prefix_cache_queries - before.prefix_cache_queries
         usage.prefix_cache_hits += after.prefix_cache_hits - before.prefix_cache_hits
+        decoded = result.decode
         if budget is not None and budget < before.num_free_blocks:
             usage.num_quota_refusals += sum(
                 1 for r in result.results if type(r) is AllocateResult and r.status is AllocateStatus.NO_SPACE
             )
-        if any(type(r) is AllocateResult and r.copies for r in result.results):
+            if decoded is not None:
+                usage.num_quota_refusals += decoded.statuses.count(AllocateStatus.NO_SPACE)
+        if any(type(r) is AllocateResult and r.copies for r in result.results) or (decoded and decoded.copies):
             self._copy_owners[result.step_id] = tenant
         return result
 
@@ -250,17 +253,18 @@ def _scope_ids(tenant: str, ids: MutableSequence[str]) -> None:
         ids[:] = [scoped_id(tenant, request_id) for request_id in ids]
 
 
-def _tenant_of(ops: Sequence[Op]) -> str | None:
+def _tenant_of(ops: Sequence[Op], decode: DecodeBatch | None) -> str | None:
+    """The tenant whose scoped ids the step names (every id of a step is its caller's), or None."""
+    request_ids = [] if decode is None else list(decode.request_ids[:1])
     for op in ops:
         if type(op) is AllocateOp:
-            request_id = op.request_id
+            request_ids.append(op.request_id)
         elif type(op) is FreeOp:
-            if not op.request_ids:
-                continue
-            request_id = op.request_ids[0]
+            request_ids += op.request_ids[:1]
         else:
             assert type(op) is ForkOp
-            request_id = op.parent_request_id
+            request_ids.append(op.parent_request_id)
+    for request_id in request_ids:
         tenant, separator, _ = request_id.partition(SEPARATOR)
         if separator:
             return tenant

@@ -11,11 +11,13 @@ runs after every rule, and the rules assert the scheduler-visible contract:
 - a step never writes a block that another live table holds (copy-on-write);
 - incremental hashing equals hashing each request's whole sequence at once;
 - replaying the event stream gives exactly the pool's prefix-cache map;
-- freeing everything and acknowledging the last step empties the pool.
+- freeing everything and acknowledging the last step empties the pool;
+- a decode batch does exactly what its allocate ops do, one by one.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
 from typing import Any
@@ -33,6 +35,7 @@ from kv_manager_service.core import (
     BlockRemoved,
     BlockStored,
     CacheHit,
+    DecodeBatch,
     FailedPreconditionError,
     ForkOp,
     ForkResult,
@@ -539,6 +542,70 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.tokens[child] = list(self.tokens[op.parent_request_id])
                     self.extras[child] = self.extras[op.parent_request_id]
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def decode_batch(self, data: st.DataObject) -> None:
+        """A decode batch (after a nested op, sometimes) against its allocate ops, one by one, on a twin."""
+        m = self.m
+        live = sorted(self.tokens)
+        ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True), label="decoded")
+        ids = [rid for rid in ids if len(self.tokens[rid]) < MAX_MODEL_LEN]
+        if not ids:
+            return
+        batch = DecodeBatch(ids, [data.draw(st.integers(0, 3), label="token") for _ in ids])
+        others = sorted(set(live) - set(ids))
+        ops = [FreeOp(others[:1])] if others and data.draw(st.booleans(), label="free first") else []
+        budget = data.draw(st.one_of(st.none(), st.integers(0, 4)), label="max_new_blocks")
+        twin = copy.deepcopy(m)
+        twin_step = KVCacheManager.step.__get__(twin)  # the class's step: a machine may wrap the instance's
+        result = m.step(ops, max_new_blocks=budget, decode=batch)
+        expected = twin_step([*ops, *batch.as_ops()], max_new_blocks=budget)
+        assert snapshot(m) == snapshot(twin)
+        assert result.delta == expected.delta
+        assert result.results == expected.results[: len(ops)]
+        entries = expected.results[len(ops) :]
+        decoded = result.decode
+        assert decoded.statuses == [r.status for r in entries]
+        assert decoded.num_computed_tokens == [r.num_computed_tokens for r in entries]
+        assert decoded.changes == [(i, g) for i, r in enumerate(entries) for g in r.groups if g.new_block_ids]
+        assert decoded.copies == [c for r in entries for c in r.copies]
+        event(f"decode batch: {sum(s is AllocateStatus.OK for s in decoded.statuses)} of {len(ids)} OK")
+        for rid in ops[0].request_ids if ops else ():
+            del self.tokens[rid], self.extras[rid]
+        for rid, token, status in zip(ids, batch.token_ids, decoded.statuses):
+            if status is AllocateStatus.OK:
+                self.tokens[rid].append(token)
+
+    @rule(data=st.data())
+    def rejected_decode_batch(self, data: st.DataObject) -> None:
+        """A decode batch with a mistake in one entry raises, located at that entry, and changes nothing."""
+        m = self.m
+        live = [rid for rid in sorted(self.tokens) if len(self.tokens[rid]) < MAX_MODEL_LEN]
+        full = [rid for rid in sorted(self.tokens) if len(self.tokens[rid]) >= MAX_MODEL_LEN]
+        good = live[:2]
+        cases = [(RequestNotFoundError, "ghost", 1, "request_id")]
+        if good:
+            cases += [
+                (InvalidArgumentError, good[0], 1, "request_id"),  # twice in the batch
+                (InvalidArgumentError, "fresh", -1, "token_ids"),
+                (InvalidArgumentError, "fresh", 1 << 32, "token_ids"),
+            ]
+        if full:
+            cases.append((InvalidArgumentError, full[0], 1, "token_ids"))  # past max_model_len
+        expected, bad_id, bad_token, field = data.draw(st.sampled_from(cases), label="mistake")
+        if bad_token != 1:
+            bad_id = good[-1]
+            good = good[:-1]
+        ops = [AllocateOp("fresh-by-op", [1, 2], 2)] if data.draw(st.booleans(), label="with an op") else []
+        batch = DecodeBatch([*good, bad_id], [1] * len(good) + [bad_token])
+        before = snapshot(m)
+        with pytest.raises(KVCacheError) as excinfo:
+            m.step(ops, decode=batch)
+        assert excinfo.type is expected, f"expected {expected.__name__}, got {excinfo.type.__name__}: {excinfo.value}"
+        assert excinfo.value.op_index == len(ops) + len(good)
+        assert excinfo.value.op_field == field
+        self.assert_unchanged(before)
+
     @rule(data=st.data())
     def rejected_call(self, data: st.DataObject) -> None:
         """A caller mistake raises its typed error and changes nothing at all."""
@@ -771,8 +838,8 @@ class HostTierMachine(ManagerMachine):
         super().create_manager(data)
         step = self.m.step
 
-        def checked_step(ops: Any, max_new_blocks: int | None = None) -> Any:
-            result = step(ops, max_new_blocks)
+        def checked_step(ops: Any, max_new_blocks: int | None = None, decode: Any = None) -> Any:
+            result = step(ops, max_new_blocks, decode)
             self.check_tier_copies(result)
             return result
 
@@ -783,7 +850,10 @@ class HostTierMachine(ManagerMachine):
         delta = result.delta
         offloads = [c for r in result.results if isinstance(r, AllocateResult) for c in r.offloads]
         onloads = [c for r in result.results if isinstance(r, AllocateResult) for c in r.onloads]
-        assert tuple(offloads) == delta.offloads and tuple(onloads) == delta.onloads
+        # A decode batch's entries report no tier copies of their own: theirs come last in the delta.
+        assert tuple(offloads) == delta.offloads[: len(offloads)] and tuple(onloads) == delta.onloads[: len(onloads)]
+        if result.decode is None:
+            assert len(offloads) == len(delta.offloads) and len(onloads) == len(delta.onloads)
         assert len({c.host_block_id for c in delta.offloads}) == len(delta.offloads), "two offloads into one host block"
         pending = self.m.pending_tier_copies()
         for copy in delta.offloads:
