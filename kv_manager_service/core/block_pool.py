@@ -70,12 +70,19 @@ class BlockPool:
         """Pop `num_blocks` from the head of the free queue, ref count 1 each.
 
         A popped block that still carries a hash is evicted from the cache now.
+        The call's evictions make one BlockRemoved per group, after the host
+        tier's events for the same blocks: a frozen event per block cost a
+        third of an admission that evicts.
         """
         blocks = self.free_queue.popleft_n(num_blocks)
+        removed: dict[int, list[BlockHash]] = {}
         for block in blocks:
             if block.block_hash is not None:
+                removed.setdefault(block.group_id, []).append(block.block_hash)
                 self._evict(block)
             block.ref_cnt = 1
+        if removed and self.enable_events:
+            self.events += [BlockRemoved(group_id, tuple(hashes)) for group_id, hashes in removed.items()]
         return blocks
 
     def cache_full_blocks(
@@ -149,7 +156,7 @@ class BlockPool:
         entry = cached[block_hash]
         if isinstance(entry, KVCacheBlock):
             # The hash leaves the device: write it back to the host tier (reads the hash, so
-            # first; its HOST events precede this DEVICE BlockRemoved, see core/events.py).
+            # first; its HOST events precede the DEVICE BlockRemoved, see core/events.py).
             if self.host_tier is not None:
                 self.host_tier.offload(block, self.events if self.enable_events else None)
             del cached[block_hash]
@@ -160,5 +167,3 @@ class BlockPool:
         block.block_hash = None
         block.group_id = -1
         self.num_evictions += 1
-        if self.enable_events:
-            self.events.append(BlockRemoved(group_id, (block_hash,)))

@@ -147,7 +147,7 @@ def test_hashed_blocks_are_evicted_least_recently_freed_first() -> None:
     hasher = BlockHasher(4)
     a_hashes = hasher.hash_blocks(hasher.root_hash, a)
     events = m.take_events()
-    assert events[:2] == [BlockRemoved(0, (a_hashes[1],)), BlockRemoved(0, (a_hashes[0],))]
+    assert events[0] == BlockRemoved(0, (a_hashes[1], a_hashes[0]))  # one event for the allocation's evictions
     assert m.find_cache_hit(a + [0]) == CacheHit(0, ((),))
     assert m.find_cache_hit(b + [0]) == CacheHit(8, ((3, 4),))
     assert m.stats().num_evictions == 2
@@ -391,13 +391,10 @@ def test_events_store_remove_and_clear_in_commit_order() -> None:
     assert m.take_events() == []
     assert free_queue(m) == [5, 6, 7, 8, 9, 10, 4, 3, 2, 1]
 
-    admit(m, "r3", 160 * [99])  # pops every block: r0's four are evicted, last first
+    admit(m, "r3", 160 * [99])  # pops every block: r0's four are evicted, last first, in one event
     h3 = hasher.hash_blocks(hasher.root_hash, 160 * [99])
     assert m.take_events() == [
-        BlockRemoved(0, (h[3],)),
-        BlockRemoved(0, (h[2],)),
-        BlockRemoved(0, (h[1],)),
-        BlockRemoved(0, (h[0],)),
+        BlockRemoved(0, (h[3], h[2], h[1], h[0])),
         BlockStored(0, tuple(h3), None, 16),
     ]
     m.free(["r3"])

@@ -58,7 +58,7 @@ def test_without_a_tier_every_event_is_the_device_tiers_as_before() -> None:
     events = manager.take_events()
     assert all(e.tier is Tier.DEVICE for e in events if type(e) is not AllBlocksCleared)
     h = chain(manager, PROMPT)
-    assert [e for e in events if type(e) is BlockRemoved] == [BlockRemoved(0, (block_hash,)) for block_hash in h[::-1]]
+    assert [e for e in events if type(e) is BlockRemoved] == [BlockRemoved(0, tuple(h[::-1]))]
 
 
 def test_an_eviction_into_the_host_stores_the_hash_there_before_the_device_removes_it() -> None:
@@ -67,10 +67,9 @@ def test_an_eviction_into_the_host_stores_the_hash_there_before_the_device_remov
     h = chain(manager, PROMPT)
     events = manager.take_events()
     evictions = events[1:-1]  # between the prompt's and the filler's DEVICE BlockStored
-    expected = []
-    for block_hash in h[::-1]:
-        expected += [BlockStored(0, (block_hash,), None, 0, Tier.HOST), BlockRemoved(0, (block_hash,), Tier.DEVICE)]
-    assert evictions == expected
+    # Each evicted hash stored on the host, then one DEVICE BlockRemoved for the allocation's evictions.
+    expected = [BlockStored(0, (block_hash,), None, 0, Tier.HOST) for block_hash in h[::-1]]
+    assert evictions == [*expected, BlockRemoved(0, tuple(h[::-1]), Tier.DEVICE)]
     tiers = replay(events)
     assert set(tiers[Tier.HOST]) == {(0, block_hash) for block_hash in h} == manager.host_tier.cached_block_keys()
     assert set(tiers[Tier.DEVICE]) == {(0, block_hash) for block_hash in chain(manager, FILLER)}
