@@ -2,9 +2,11 @@
 
 1. Generate the gRPC/protobuf modules from `proto/` into the `kvcache`
    package (a build artifact, never edited by hand, not in git).
-2. Build the optional C encoder of token blocks. `optional=True`: without a
-   C compiler the install still succeeds and block hashing uses its
-   pure-Python twin (same bytes, slower).
+2. Build the optional C extensions of block hashing: the encoder of token
+   blocks, and the sha256_cbor chain (which also needs OpenSSL's headers,
+   libssl-dev on Debian, and links libcrypto). `optional=True`: without a
+   C compiler or the headers the install still succeeds and block hashing
+   uses the pure-Python twins (same bytes, slower).
 """
 
 from pathlib import Path
@@ -42,7 +44,15 @@ setup(
         Extension(
             "kv_manager_service.core._token_cbor",
             ["kv_manager_service/core/_token_cbor.c"],
+            depends=["kv_manager_service/core/_token_cbor.h"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kv_manager_service.core._chain_hash",
+            ["kv_manager_service/core/_chain_hash.c"],
+            depends=["kv_manager_service/core/_token_cbor.h"],
+            libraries=["crypto"],
+            optional=True,
+        ),
     ]
 )

@@ -11,9 +11,10 @@ command line and the machine:
    precomputed hashes (what vLLM's ~87 us covers), and admit + free.
 3. alloc/free: `BlockPool.get_new_blocks(64)` and `free_blocks` on a
    100k-block pool.
-4. hashing: `BlockHasher.hash_blocks` against an in-run re-implementation of
-   vLLM's sha256_cbor path (cbor2 + hashlib, one `hash_block_tokens` call per
-   block), on the same tokens; the bytes must be identical.
+4. hashing: `BlockHasher.hash_blocks` (C chain, and without each C
+   extension) against an in-run re-implementation of vLLM's sha256_cbor path
+   (cbor2 + hashlib, one `hash_block_tokens` call per block), on the same
+   tokens; the bytes must be identical.
 5. memory: tracemalloc bytes of pool + prefix index per cached block.
 6. trace replay: the first N Mooncake requests through `replay.replay`.
 
@@ -22,6 +23,16 @@ spread column shows the lowest and highest round medians. The vLLM column
 comes from docs/architecture.md, "vLLM reference figures" (measured elsewhere); only the hashing
 re-implementation is measured in this run. In the "vLLM / ours" column
 > 1 means ours is faster or smaller.
+
+With --vllm-python and --vllm-source (an interpreter with vLLM's Python
+dependencies and the folder holding vLLM's source, e.g. from the baselines
+kit), benchmark 4 also runs vLLM's own block hashing (`Request` +
+`get_request_block_hasher` with `sha256_cbor`) in a subprocess on the same
+tokens, alternating with ours round by round, and checks that its digests are
+ours byte for byte. With --vllm-baseline as well (the kit's
+vllm_step_baseline.py), every decode round is followed by one run of vLLM's
+own manager on the same shape (256 requests, 1000-token prompts, as many
+steps). The ratios ours / vLLM are taken per round; rows give their medians.
 
     python bench/core_bench.py            # full run, under a minute on 2 cores
     python bench/core_bench.py --quick    # smoke run, seconds
@@ -32,11 +43,13 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import os
 import platform
 import random
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -48,6 +61,7 @@ from kv_manager_service.core import (
     AllocateOp,
     AllocateStatus,
     BlockHasher,
+    DecodeBatch,
     HashAlgorithm,
     KVCacheConfig,
     KVCacheManager,
@@ -70,6 +84,10 @@ VLLM_DECODE_STEP_MS = 1.35
 VLLM_SHA256_CBOR_US_PER_BLOCK = 3.5
 VLLM_LOOKUP_128_US = 87.0
 VLLM_BYTES_PER_CACHED_BLOCK = 290.0
+
+# Targets of the same-run ratios ours / vLLM's own code (lower is better).
+TARGET_HASHING_RATIO = 0.1
+TARGET_DECODE_RATIO = 0.45
 
 now_ns = time.perf_counter_ns
 
@@ -108,21 +126,125 @@ def warm_token_memo() -> None:
     hashing.encode_blocks_py(list(range(num_blocks * BLOCK_SIZE)), BLOCK_SIZE, num_blocks, b"", b"")
 
 
-def hash_with_python_encoder(hasher: BlockHasher, tokens: list[int]) -> list[bytes]:
-    """`hasher.hash_blocks` as it runs where the C encoder was not built."""
-    built = hashing.encode_blocks
-    hashing.encode_blocks = hashing.encode_blocks_py
+def hash_without_c(hasher: BlockHasher, tokens: list[int], without_encoder: bool) -> list[bytes]:
+    """`hasher.hash_blocks` as it runs where the C chain (and with `without_encoder`, the C encoder
+    too) was not built."""
+    built = hashing.encode_blocks, hashing.hash_chain
+    hashing.hash_chain = hashing.hash_chain_py
+    if without_encoder:
+        hashing.encode_blocks = hashing.encode_blocks_py
     try:
         return hasher.hash_blocks(hasher.root_hash, tokens)
     finally:
-        hashing.encode_blocks = built
+        hashing.encode_blocks, hashing.hash_chain = built
+
+
+def target_note(ratio: float, target: float) -> str:
+    return f"target <= {target}x ({'met' if ratio <= target else 'MISSED'})"
+
+
+# -- vLLM's own code, in its own interpreter ---------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    """An interpreter with vLLM's Python dependencies, vLLM's source folder, and optionally the
+    baselines kit's `vllm_step_baseline.py` (N P D -> one JSON line with `step_ms_p50`)."""
+
+    python: Path
+    source: Path
+    step_baseline: Path | None = None
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": str(self.source)}
+        env.pop("PYTHONHASHSEED", None)  # vLLM's root hash then uses the fixed seed "vllm-none-hash"
+        return env
+
+    def decode_step_ms(self, num_requests: int, prompt_len: int, num_steps: int) -> float:
+        """The median whole decode step of one run of vLLM's own manager."""
+        assert self.step_baseline is not None
+        done = subprocess.run(
+            [str(self.python), str(self.step_baseline), str(num_requests), str(prompt_len), str(num_steps)],
+            capture_output=True, text=True, env=self.environment(), cwd=self.source, timeout=600, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"the vLLM step baseline failed ({done.returncode}): {done.stderr[-2000:]}")
+        return float(json.loads(done.stdout.strip().splitlines()[-1])["step_ms_p50"])
+
+
+# Runs in vLLM's interpreter. Reads [block_size, token ids] once, then for every line it reads hashes
+# all full blocks of one request with vLLM's own request block hasher and prints the time taken and
+# a digest of the hashes. The Request has no hasher of its own, so its block_hashes stay empty and
+# every call hashes the whole prompt from the root.
+VLLM_HASHING_PROGRAM = """
+import hashlib, json, sys, time
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256_cbor
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+block_size, token_ids = json.loads(sys.stdin.readline())
+init_none_hash(sha256_cbor)
+hash_request_blocks = get_request_block_hasher(block_size, sha256_cbor)
+params = SamplingParams(max_tokens=1)
+params.update_from_generation_config({}, eos_token_id=None)
+request = Request("bench", token_ids, params, None)
+print("ready", flush=True)
+for _ in sys.stdin:
+    start = time.perf_counter_ns()
+    hashes = hash_request_blocks(request)
+    elapsed_ns = time.perf_counter_ns() - start
+    digest = hashlib.sha256(b"".join(hashes)).hexdigest()
+    print(json.dumps({"ns": elapsed_ns, "num_blocks": len(hashes), "digest": digest}), flush=True)
+"""
+
+
+class VllmHashing:
+    """vLLM's own sha256_cbor block hashing of one fixed prompt, in a long-lived subprocess."""
+
+    def __init__(self, install: VllmInstall, block_size: int, token_ids: list[int]) -> None:
+        self._process = subprocess.Popen(
+            [str(install.python), "-c", VLLM_HASHING_PROGRAM],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=install.environment(), cwd=install.source,
+        )  # fmt: skip
+        self._send(json.dumps([block_size, token_ids]))
+        if self._receive() != "ready":
+            raise RuntimeError("vLLM's hashing subprocess did not start")
+
+    def hash_once(self) -> tuple[float, int, str]:
+        """(ns, number of blocks, sha256 hex of the concatenated hashes) of one timed call."""
+        self._send("hash")
+        report = json.loads(self._receive())
+        return report["ns"], report["num_blocks"], report["digest"]
+
+    def close(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(timeout=60)
+
+    def _send(self, line: str) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(line + "\n")
+        self._process.stdin.flush()
+
+    def _receive(self) -> str:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM's hashing subprocess exited ({self._process.wait(timeout=60)})")
+        return line.strip()
 
 
 # -- 1. decode -------------------------------------------------------------------
 
 
-def decode_round(prompts: Sequence[list[int]], num_steps: int, profiler: Any = None) -> list[int]:
-    """Admit every prompt, then `num_steps` decode steps; returns each step's ns."""
+def decode_round(
+    prompts: Sequence[list[int]], num_steps: int, profiler: Any = None, columnar: bool = False
+) -> list[int]:
+    """Admit every prompt, then `num_steps` decode steps; returns each step's ns.
+
+    A step is a list of allocate ops, or with `columnar` the same entries as a DecodeBatch (what the
+    server applies for a Step's decode columns); building either is not timed."""
     num_requests = len(prompts)
     max_len = len(prompts[0]) + num_steps
     manager = KVCacheManager(KVCacheConfig(num_requests * -(-max_len // BLOCK_SIZE) + 64))
@@ -133,7 +255,15 @@ def decode_round(prompts: Sequence[list[int]], num_steps: int, profiler: Any = N
     if profiler is not None:
         profiler.start()
     for step in range(num_steps):
-        ops = [AllocateOp(rid, [(i * 7919 + step) % VOCAB_SIZE], 1) for i, rid in enumerate(request_ids)]
+        tokens = [(i * 7919 + step) % VOCAB_SIZE for i in range(num_requests)]
+        if columnar:
+            batch = DecodeBatch(request_ids, tokens)
+            start = now_ns()
+            result = manager.step((), decode=batch)
+            step_ns.append(now_ns() - start)
+            assert all(status is AllocateStatus.OK for status in result.decode.statuses)
+            continue
+        ops = [AllocateOp(rid, [token], 1) for rid, token in zip(request_ids, tokens)]
         start = now_ns()
         result = manager.step(ops)
         step_ns.append(now_ns() - start)
@@ -144,13 +274,40 @@ def decode_round(prompts: Sequence[list[int]], num_steps: int, profiler: Any = N
     return step_ns
 
 
-def bench_decode(rounds: int, num_requests: int, prompt_len: int, num_steps: int) -> list[Row]:
+def bench_decode(
+    rounds: int, num_requests: int, prompt_len: int, num_steps: int, vllm: VllmInstall | None = None
+) -> list[Row]:
+    """Our decode rounds; with `vllm`, each followed by one run of vLLM's own manager."""
     rng = random.Random(1)
     prompts = [random_tokens(rng, prompt_len) for _ in range(num_requests)]
     decode_round(prompts, min(num_steps, 20))  # warm-up
-    step_medians = [statistics.median(decode_round(prompts, num_steps)) for _ in range(rounds)]
+    decode_round(prompts, min(num_steps, 20), columnar=True)
+    step_medians: list[float] = []
+    batch_medians: list[float] = []
+    vllm_per_request: list[float] = []
+    for round_index in range(rounds):
+        step_medians.append(statistics.median(decode_round(prompts, num_steps)))
+        batch_medians.append(statistics.median(decode_round(prompts, num_steps, columnar=True)))
+        if vllm is not None:
+            vllm_per_request.append(vllm.decode_step_ms(num_requests, prompt_len, num_steps) * 1e3 / num_requests)
+            print(f"  decode round {round_index + 1}/{rounds}: ours {step_medians[-1] / num_requests / 1e3:.2f} "
+                  f"(DecodeBatch {batch_medians[-1] / num_requests / 1e3:.2f}), "
+                  f"vLLM {vllm_per_request[-1]:.2f} us per request-step", file=sys.stderr)
     step_ns, (lo, hi) = summarize(step_medians)
     per_request = [s / num_requests / 1e3 for s in step_medians]
+    per_entry = [s / num_requests / 1e3 for s in batch_medians]
+    rows = [
+        Row("1 decode", "per request-step, the same steps as one DecodeBatch each", statistics.median(per_entry), "us",
+            (min(per_entry), max(per_entry)), VLLM_DECODE_US_PER_REQUEST, "what the server applies for a Step"),
+    ]
+    if vllm_per_request:
+        vllm_value, vllm_spread = summarize(vllm_per_request)
+        rows.append(Row("1 decode", f"vLLM's own manager, per request-step (step_ms_p50 / {num_requests}), this run",
+                        vllm_value, "us", vllm_spread, note="vllm_step_baseline.py after each of our rounds"))
+        for form, ours in (("allocate ops", per_request), ("DecodeBatch", per_entry)):
+            ratio, ratio_spread = summarize([a / b for a, b in zip(ours, vllm_per_request)])
+            rows.append(Row("1 decode", f"**ours ({form}) / vLLM's own, per request-step, same round**", ratio, "x",
+                            ratio_spread, note=target_note(ratio, TARGET_DECODE_RATIO)))
     return [
         Row(
             "1 decode",
@@ -168,6 +325,7 @@ def bench_decode(rounds: int, num_requests: int, prompt_len: int, num_steps: int
             (lo / 1e6, hi / 1e6),
             VLLM_DECODE_STEP_MS if num_requests == 256 else None,
         ),
+        *rows,
     ]
 
 
@@ -333,7 +491,7 @@ def make_vllm_hasher() -> Callable[[list[int], int], list[bytes]]:
     return request_block_hashes
 
 
-def bench_hashing(rounds: int, num_blocks: int) -> list[Row]:
+def bench_hashing(rounds: int, num_blocks: int, vllm: VllmInstall | None = None) -> list[Row]:
     hasher = BlockHasher(BLOCK_SIZE)
     # The test vector of docs/architecture.md ("Block hashing"), and vLLM's root with the same seed.
     expected = "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749"
@@ -345,45 +503,67 @@ def bench_hashing(rounds: int, num_blocks: int) -> list[Row]:
     ours = hasher.hash_blocks(hasher.root_hash, tokens)
     theirs = vllm_hashes(tokens, BLOCK_SIZE)
     assert ours == theirs, "hash bytes differ from vLLM's sha256_cbor"
+    ours_digest = hashlib.sha256(b"".join(ours)).hexdigest()
     xxh3 = BlockHasher(BLOCK_SIZE, HashAlgorithm.XXH3_128, seed="bench-secret")
-    assert hash_with_python_encoder(hasher, tokens) == ours
-    ours_medians, theirs_medians, ratios, xxh3_medians, python_medians = [], [], [], [], []
-    for _ in range(rounds):
+    assert hash_without_c(hasher, tokens, without_encoder=False) == ours
+    assert hash_without_c(hasher, tokens, without_encoder=True) == ours
+    own = VllmHashing(vllm, BLOCK_SIZE, tokens) if vllm is not None else None
+
+    def per_block_us(run: Callable[[], object]) -> float:
         start = now_ns()
-        hash_with_python_encoder(hasher, tokens)
-        python_medians.append((now_ns() - start) / 1e3 / num_blocks)
-        start = now_ns()
-        hasher.hash_blocks(hasher.root_hash, tokens)
-        ours_us = (now_ns() - start) / 1e3 / num_blocks
-        start = now_ns()
-        xxh3.hash_blocks(xxh3.root_hash, tokens)
-        xxh3_medians.append((now_ns() - start) / 1e3 / num_blocks)
-        start = now_ns()
-        vllm_hashes(tokens, BLOCK_SIZE)
-        theirs_us = (now_ns() - start) / 1e3 / num_blocks
-        ours_medians.append(ours_us)
-        theirs_medians.append(theirs_us)
-        ratios.append(theirs_us / ours_us)
-    section = "4 hashing"
-    ours_value, ours_spread = summarize(ours_medians)
-    theirs_value, theirs_spread = summarize(theirs_medians)
-    ratio, ratio_spread = summarize(ratios)
-    xxh3_value, xxh3_spread = summarize(xxh3_medians)
-    python_value, python_spread = summarize(python_medians)
+        run()
+        return (now_ns() - start) / 1e3 / num_blocks
+
+    series: dict[str, list[float]] = {
+        name: [] for name in ("ours", "no_chain", "python", "xxh3", "reimpl", "own", "reimpl_ratio", "own_ratio")
+    }
+    try:
+        if own is not None:
+            own.hash_once()  # warm-up
+        for _ in range(rounds):
+            series["python"].append(per_block_us(lambda: hash_without_c(hasher, tokens, without_encoder=True)))
+            series["no_chain"].append(per_block_us(lambda: hash_without_c(hasher, tokens, without_encoder=False)))
+            series["ours"].append(per_block_us(lambda: hasher.hash_blocks(hasher.root_hash, tokens)))
+            series["xxh3"].append(per_block_us(lambda: xxh3.hash_blocks(xxh3.root_hash, tokens)))
+            series["reimpl"].append(per_block_us(lambda: vllm_hashes(tokens, BLOCK_SIZE)))
+            series["reimpl_ratio"].append(series["reimpl"][-1] / series["ours"][-1])
+            if own is not None:
+                ns, num_hashed, digest = own.hash_once()
+                assert num_hashed == num_blocks and digest == ours_digest, "vLLM's own hashes differ from ours"
+                series["own"].append(ns / 1e3 / num_blocks)
+                series["own_ratio"].append(series["ours"][-1] / series["own"][-1])
+    finally:
+        if own is not None:
+            own.close()
+    figures = {name: summarize(values) for name, values in series.items() if values}
+    chain = "C chain" if hashing.hash_chain is not hashing.hash_chain_py else "C CHAIN NOT BUILT"
     encoder = "C encoder" if hashing.encode_blocks is not hashing.encode_blocks_py else "C ENCODER NOT BUILT"
-    return [
-        Row(section, f"BlockHasher.hash_blocks, sha256_cbor, {encoder} ({num_blocks} blocks, vocab 150k)", ours_value, "us/block",
-            ours_spread, VLLM_SHA256_CBOR_US_PER_BLOCK, note=f"bytes identical to vLLM on all {num_blocks} blocks"),
-        Row(section, "vLLM sha256_cbor re-implementation (cbor2 + hashlib), this run", theirs_value, "us/block",
-            theirs_spread),
-        Row(section, "speed-up vs the re-implementation, same round", ratio, "x", ratio_spread,
-            note="target >= 3x"),
-        Row(section, "BlockHasher.hash_blocks, xxh3_128 with a secret seed (same tokens)",
-            xxh3_value, "us/block", xxh3_spread),
-        Row(section, "BlockHasher.hash_blocks, sha256_cbor, pure-Python encoder (no C compiler)",
-            python_value, "us/block", python_spread, VLLM_SHA256_CBOR_US_PER_BLOCK,
-            note="memo holding the whole vocabulary"),
+    section = "4 hashing"
+
+    def row(name: str, metric: str, unit: str = "us/block", vllm_figure: float | None = None, note: str = "") -> Row:
+        value, spread = figures[name]
+        return Row(section, metric, value, unit, spread, vllm_figure, note)
+
+    rows = [
+        row("ours", f"BlockHasher.hash_blocks, sha256_cbor, {chain} ({num_blocks} blocks, vocab 150k)",
+            vllm_figure=VLLM_SHA256_CBOR_US_PER_BLOCK, note=f"bytes identical to vLLM on all {num_blocks} blocks"),
+        row("no_chain", f"BlockHasher.hash_blocks, sha256_cbor, without the C chain ({encoder} + Python loop)",
+            vllm_figure=VLLM_SHA256_CBOR_US_PER_BLOCK, note="no OpenSSL headers at build time"),
+        row("python", "BlockHasher.hash_blocks, sha256_cbor, pure Python (no C compiler)",
+            vllm_figure=VLLM_SHA256_CBOR_US_PER_BLOCK, note="memo holding the whole vocabulary"),
+        row("xxh3", "BlockHasher.hash_blocks, xxh3_128 with a secret seed (same tokens)"),
+        row("reimpl", "vLLM sha256_cbor re-implementation (cbor2 + hashlib), this run"),
+        row("reimpl_ratio", "speed-up vs the re-implementation, same round", "x", note="target >= 3x"),
     ]
+    if own is not None:
+        own_ratio = figures["own_ratio"][0]
+        rows += [
+            row("own", "vLLM's own request block hasher (sha256_cbor), subprocess, this run",
+                note=f"sha256 of all {num_blocks} hashes equal to ours"),
+            row("own_ratio", "**ours / vLLM's own, same round**", "x",
+                note=target_note(own_ratio, TARGET_HASHING_RATIO)),
+        ]
+    return rows
 
 
 # -- 5. memory -------------------------------------------------------------------
@@ -474,7 +654,9 @@ def fmt(value: float) -> str:
         return f"{value:,.0f}"
     if abs(value) >= 10:
         return f"{value:.1f}"
-    return f"{value:.2f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
 
 
 def render(rows: Sequence[Row], command: str, seconds: float, rounds: int, trace_rounds: int) -> str:
@@ -499,7 +681,8 @@ def render(rows: Sequence[Row], command: str, seconds: float, rounds: int, trace
     lines += [
         "",
         "vLLM column: vLLM 0.33's in-process core as recorded in docs/architecture.md (not measured in this",
-        "run); the in-run comparison is the sha256_cbor re-implementation in section 4. vLLM / ours > 1: ours is",
+        "run); the in-run comparisons are the sha256_cbor re-implementation in section 4 and, with --vllm-*,",
+        "the rows of vLLM's own code (ratios ours / vLLM per round, lower is better). vLLM / ours > 1: ours is",
         "faster or smaller. Decode excludes building the op list; replay excludes expanding trace ids into tokens",
         "(memoised first).",
         "Before any section the core's token-encoding memo holds the whole 150k vocabulary, keyed by other int",
@@ -523,11 +706,35 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated benchmark numbers to run")
     parser.add_argument("--profile-decode", type=Path, default=None,
                         help="also profile one decode round with pyinstrument and write the text report here")
+    vllm = parser.add_argument_group("vLLM's own code, run in every round for same-run ratios")
+    vllm.add_argument("--vllm-python", type=Path, help="an interpreter with vLLM's Python dependencies")
+    vllm.add_argument("--vllm-source", type=Path,
+                      help="the folder holding vLLM's source (vllm/), put on PYTHONPATH; goes with --vllm-python")
+    vllm.add_argument("--vllm-baseline", type=Path,
+                      help="the baselines kit's vllm_step_baseline.py (N P D -> JSON step_ms_p50), for decode; "
+                           "needs the other two")
     return parser
 
 
+def vllm_install(parser: argparse.ArgumentParser, args: argparse.Namespace) -> VllmInstall | None:
+    """The --vllm-* options, checked: python and source together, the baseline only with them."""
+    if (args.vllm_python is None) != (args.vllm_source is None):
+        parser.error("--vllm-python and --vllm-source go together")
+    if args.vllm_baseline is not None and args.vllm_python is None:
+        parser.error("--vllm-baseline needs --vllm-python and --vllm-source")
+    for name, path in (("--vllm-python", args.vllm_python), ("--vllm-source", args.vllm_source),
+                       ("--vllm-baseline", args.vllm_baseline)):
+        if path is not None and not path.exists():
+            parser.error(f"{name} {path}: no such file or folder")
+    if args.vllm_python is None:
+        return None
+    return VllmInstall(args.vllm_python, args.vllm_source.resolve(), args.vllm_baseline)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    vllm = vllm_install(parser, args)
     quick = args.quick
     rounds = args.rounds or (2 if quick else 7)
     trace_rounds = args.trace_rounds or (1 if quick else 3)
@@ -537,10 +744,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_token_memo()
     rows: list[Row] = []
     plan: list[tuple[int, str, Callable[[], list[Row]]]] = [
-        (1, "decode", lambda: bench_decode(rounds, 256, 1000, 50 if quick else 200)),
+        (1, "decode", lambda: bench_decode(
+            rounds, 256, 1000, 50 if quick else 200, vllm if vllm and vllm.step_baseline else None)),
         (2, "prefix hit", lambda: bench_prefix_hit(rounds, 100 if quick else 1000, 2048, 128)),
         (3, "alloc/free", lambda: bench_alloc_free(rounds, 100_000, 64, 100 if quick else 1000)),
-        (4, "hashing", lambda: bench_hashing(rounds, 200 if quick else 4000)),
+        (4, "hashing", lambda: bench_hashing(rounds, 200 if quick else 4000, vllm)),
         (5, "memory", lambda: bench_memory(8192 if quick else 65536, 256 if quick else 1024)),
         (6, "trace replay", lambda: bench_replay(
             trace_rounds, args.trace, trace_requests, args.trace_pool_blocks, args.trace_token_budget,

@@ -2,22 +2,10 @@
  * cannot do fast. encode_blocks(token_ids, block_size, num_blocks, head, tail)
  * returns one bytes object per block: head + CBOR(token) for each token of the
  * block + tail. Token ids must be ints in 0..2**32-1; anything else raises.
- * The pure-Python twin is `hashing._encode_blocks_py`; tests compare them. */
+ * The pure-Python twin is `hashing.encode_blocks_py`; tests compare them. */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "_token_cbor.h"
 #include <string.h>
-
-static Py_ssize_t put_token(unsigned char *out, uint32_t t) {
-    if (t < 24) { out[0] = (unsigned char)t; return 1; }
-    if (t < 0x100) { out[0] = 24; out[1] = (unsigned char)t; return 2; }
-    if (t < 0x10000) { out[0] = 25; out[1] = (unsigned char)(t >> 8); out[2] = (unsigned char)t; return 3; }
-    out[0] = 26;
-    out[1] = (unsigned char)(t >> 24); out[2] = (unsigned char)(t >> 16);
-    out[3] = (unsigned char)(t >> 8); out[4] = (unsigned char)t;
-    return 5;
-}
 
 static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     PyObject *tokens;
@@ -33,7 +21,7 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
         goto done;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    buffer = PyMem_Malloc(head.len + 5 * block_size + tail.len);
+    buffer = PyMem_Malloc(head.len + TOKEN_CBOR_MAX * block_size + tail.len);
     if (buffer == NULL) { PyErr_NoMemory(); goto done; }
     memcpy(buffer, head.buf, head.len);
     result = PyList_New(num_blocks);
@@ -41,16 +29,9 @@ static PyObject *encode_blocks(PyObject *self, PyObject *args) {
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
         Py_ssize_t n = head.len;
         for (Py_ssize_t i = b * block_size; i < (b + 1) * block_size; i++) {
-            PyObject *index = PyNumber_Index(items[i]); /* accepts any int-like */
-            if (index == NULL) goto fail;
-            unsigned long value = PyLong_AsUnsignedLong(index);
-            Py_DECREF(index);
-            if (value == (unsigned long)-1 && PyErr_Occurred()) goto fail;
-            if (value > 0xFFFFFFFFUL) {
-                PyErr_SetString(PyExc_OverflowError, "token id exceeds 2**32-1");
-                goto fail;
-            }
-            n += put_token(buffer + n, (uint32_t)value);
+            uint32_t token;
+            if (read_token_at(seq, &items, i, num_blocks * block_size, &token) < 0) goto fail;
+            n += put_token(buffer + n, token);
         }
         memcpy(buffer + n, tail.buf, tail.len);
         PyObject *block = PyBytes_FromStringAndSize((const char *)buffer, n + tail.len);

@@ -15,7 +15,9 @@ Extra keys, in this order (null when there are none):
 
 The hot path never runs a generic CBOR encoder: the array heads are constants,
 token encodings come from a memo table, and only the extra keys (rare) go
-through `cbor.encode`.
+through `cbor.encode`. Two optional C extensions speed it up, each with a
+pure-Python twin that gives the same bytes: `encode_blocks` (token blocks to
+CBOR) and `hash_chain` (the whole sha256_cbor chain without extra keys).
 """
 
 from __future__ import annotations
@@ -79,6 +81,32 @@ try:
     from kv_manager_service.core._token_cbor import encode_blocks
 except ImportError:  # pragma: no cover - exercised by the twin's own tests
     encode_blocks = encode_blocks_py
+
+
+def hash_chain_py(
+    parent: bytes, token_ids: Sequence[int], block_size: int, num_blocks: int, head: bytes, tokens_head: bytes,
+    tail: bytes,
+) -> list[bytes]:
+    """The sha256_cbor chain of `num_blocks` full blocks: each digest is the next block's parent.
+
+    Block i hashes `head + parent + tokens_head + CBOR(its tokens) + tail`.
+    """
+    sha256 = hashlib.sha256
+    hashes = []
+    append = hashes.append
+    for body in encode_blocks(token_ids, block_size, num_blocks, tokens_head, tail):
+        parent = sha256(head + parent + body).digest()
+        append(parent)
+    return hashes
+
+
+try:
+    # The same function in C with OpenSSL's SHA-256 (setup.py builds it when
+    # a compiler and OpenSSL's headers are there): no Python object per block
+    # but the digest it returns.
+    from kv_manager_service.core._chain_hash import hash_chain
+except ImportError:  # pragma: no cover - exercised by the twin's own tests
+    hash_chain = hash_chain_py
 
 
 class HashAlgorithm(str, enum.Enum):
@@ -186,6 +214,8 @@ class BlockHasher:
         num_full = len(token_ids) // block_size
         if num_full == 0:
             return []
+        if self.algorithm is HashAlgorithm.SHA256_CBOR and extras.is_empty():  # the hot path, C when built
+            return hash_chain(parent, token_ids, block_size, num_full, self._head, self._tokens_head, cbor.NULL)
         new = self._new
         head = self._head
         hashes: list[BlockHash] = []

@@ -70,18 +70,21 @@ def reference_chain(
     return chain
 
 
-# The token-block encoder in use (C when built) and its pure-Python twin.
-ENCODERS = {"default": hashing.encode_blocks, "python": encode_blocks_py}
+# The token-block encoder and the sha256_cbor chain in use (C when built), and their pure-Python twins.
+ENCODERS = {
+    "default": (hashing.encode_blocks, hashing.hash_chain),
+    "python": (encode_blocks_py, hashing.hash_chain_py),
+}
 
 
 @contextlib.contextmanager
 def using_encoder(name: str) -> Iterator[None]:
-    saved = hashing.encode_blocks
-    hashing.encode_blocks = ENCODERS[name]
+    saved = hashing.encode_blocks, hashing.hash_chain
+    hashing.encode_blocks, hashing.hash_chain = ENCODERS[name]
     try:
         yield
     finally:
-        hashing.encode_blocks = saved
+        hashing.encode_blocks, hashing.hash_chain = saved
 
 
 @st.composite

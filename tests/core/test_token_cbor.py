@@ -36,3 +36,21 @@ def test_c_encoder_rejects_what_is_not_a_token_id(bad, error):
 def test_c_encoder_refuses_more_blocks_than_tokens():
     with pytest.raises(ValueError):
         c_encoder.encode_blocks([1, 2, 3], 2, 2, b"", b"")
+
+
+class ShrinkingToken:
+    """A token id whose __index__ empties the list it sits in."""
+
+    def __init__(self, tokens: list) -> None:
+        self.tokens = tokens
+
+    def __index__(self) -> int:
+        self.tokens.clear()
+        return 7
+
+
+def test_c_encoder_raises_when_the_tokens_shrink_while_read():
+    tokens: list = [1, 2, 3, 4]
+    tokens[1] = ShrinkingToken(tokens)
+    with pytest.raises(RuntimeError, match="changed size"):
+        c_encoder.encode_blocks(tokens, 2, 2, b"", b"")
