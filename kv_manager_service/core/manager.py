@@ -619,6 +619,30 @@ class KVCacheManager:
                 )
         request.num_computed_tokens = num_committed
 
+    def _grow_and_commit(
+        self, request: RequestState, num_committed: int, growing: tuple[int, ...]
+    ) -> list[GroupAllocation]:
+        """`_commit`, after one new block at the end of each table in `growing`; returns their allocations.
+
+        Group by group, each group's new block before its caching, as `_continue` orders them (so the
+        events come in the same order).
+        """
+        grown = []
+        num_cached_blocks = request.num_cached_blocks
+        tables = request.tables
+        for manager in self.managers:
+            group_id = manager.group_id
+            table = tables[group_id]
+            if group_id in growing:
+                table += self.pool.get_new_blocks(1)
+                grown.append(GroupAllocation(group_id, (), (table[-1].block_id,), len(table) - 1))
+            if num_cached_blocks[group_id] < num_committed // manager.block_size:
+                num_cached_blocks[group_id] = manager.cache_blocks(
+                    table, request.block_hashes, num_cached_blocks[group_id], num_committed
+                )
+        request.num_computed_tokens = num_committed
+        return grown
+
     def _continue_into_delta(
         self,
         request: RequestState,
@@ -643,12 +667,14 @@ class KVCacheManager:
     ) -> DecodeResults:
         """Each entry of `batch` as `_continue` applies its allocate op, the results in columns.
 
-        An entry whose one new token goes into a slot that every table holds
-        already, and alone, changes no table: only the request's counts, its
-        hash chain and the cache (the fast path of `_continue`). Almost every
-        entry of a decode step is one; they are applied here without building
-        an op or a result. The rest (a block to append or to copy, a group that
-        recycles slots or reads an encoder) go through `_continue` itself.
+        With plain attention groups, an entry writes its one new token either
+        into a slot a table holds already, and alone, or into a new block at
+        the end of the table. Almost every entry of a decode step is such a
+        one, and they are applied here, as `_continue` would, without
+        building an op or a result (the in-place ones, most of them, build
+        nothing at all). The rest (a block another table shares, which must
+        be copied first; no room; a group that recycles slots or reads an
+        encoder) go through `_continue` itself.
         """
         ok = AllocateStatus.OK
         statuses: list[AllocateStatus] = []
@@ -656,20 +682,29 @@ class KVCacheManager:
         changes: list[tuple[int, GroupAllocation]] = []
         decode_copies: list[BlockCopy] = []
         requests = self.requests
+        free_queue = self.pool.free_queue
         in_place_layout = self._in_place_layout
         hashes_tokens = self.enable_caching
         hash_block_size = self.hash_block_size
         for index, (request_id, token_id) in enumerate(zip(batch.request_ids, batch.token_ids)):
             request = requests[request_id]
             num_computed = request.num_computed_tokens
-            if in_place_layout is not None and self._writes_in_place(request.tables, num_computed):
+            growing = None if in_place_layout is None else self._groups_to_grow(request.tables, num_computed)
+            if growing is not None and len(growing) <= free_queue.num_free_blocks - self._reserve:
                 request.num_tokens += 1
                 if hashes_tokens:
                     tail = request.tail_token_ids
                     tail.append(token_id)
                     if len(tail) >= hash_block_size:
                         self._hash_tail(request)
-                self._commit(request, num_computed + 1)
+                if growing:
+                    for group in self._grow_and_commit(request, num_computed + 1, growing):
+                        changes.append((index, group))
+                        blocks_appended.append(
+                            BlockAppend(request_id, group.group_id, group.new_block_index, group.new_block_ids)
+                        )
+                else:
+                    self._commit(request, num_computed + 1)
                 statuses.append(ok)
                 num_computed_tokens.append(num_computed)
                 continue
@@ -681,23 +716,28 @@ class KVCacheManager:
             decode_copies += result.copies
         return DecodeResults(statuses, num_computed_tokens, changes, decode_copies)
 
-    def _writes_in_place(self, tables: list[list[KVCacheBlock]], position: int) -> bool:
-        """Whether the token at `position` goes into a slot every table holds already, and alone.
+    def _groups_to_grow(self, tables: list[list[KVCacheBlock]], position: int) -> tuple[int, ...] | None:
+        """The groups whose table needs one more block for the token at `position`; the others hold its slot.
 
-        For plain attention groups only (`_in_place_layout`). Alone: no other
-        live table holds the block (a reference a pending copy holds does not
-        count), so writing it needs no copy-on-write; as `_continue` decides.
+        For plain attention groups only (`_in_place_layout`). None when the
+        slot is held by another live table too (a reference a pending copy
+        holds does not count), so writing it needs copy-on-write, as
+        `_continue` decides; or when a table is short by more than a block.
         """
+        growing: tuple[int, ...] = ()
         retained = self._retained
         for group_id, block_size in self._in_place_layout:
             table = tables[group_id]
             slot = position // block_size
-            if slot >= len(table):
-                return False
-            block = table[slot]
-            if block.ref_cnt > 1 and block.ref_cnt - retained.get(block, 0) > 1:
-                return False
-        return True
+            if slot < len(table):
+                block = table[slot]
+                if block.ref_cnt > 1 and block.ref_cnt - retained.get(block, 0) > 1:
+                    return None
+            elif slot == len(table):
+                growing += (group_id,)
+            else:
+                return None
+        return growing
 
     def _hash_tail(self, request: RequestState) -> None:
         """Extend the request's hash chain over the hash blocks its tail now fills."""
