@@ -6,11 +6,11 @@ validated whole before anything changes, so an invalid op changes nothing.
 Each step returns its results and its `StepDelta`, the workers' input, built
 here where each change is made.
 
-The module is longer than most (about 650 lines) because a step's whole
-application (admission, continuation with copy-on-write, free, fork, ack)
-shares the reference-count and retention bookkeeping that the invariants in
-`invariants.py` check together; split apart, each half would need the other's
-private state.
+The module is longer than most (about 800 lines) because a step's whole
+application (admission, continuation with copy-on-write, the columnar decode
+batch, free, fork, ack) shares the reference-count and retention bookkeeping
+that the invariants in `invariants.py` check together; split apart, each half
+would need the other's private state.
 """
 
 from __future__ import annotations
