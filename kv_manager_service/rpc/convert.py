@@ -130,7 +130,7 @@ def step_result(result: OpResult) -> pb.StepResult:
     return pb.StepResult(fork=pb.ForkResponse(step_id=result.step_id))
 
 
-def step_response(request: pb.StepRequest, result: StepResult) -> pb.StepResponse:
+def step_response(result: StepResult) -> pb.StepResponse:
     """One result per nested op, then the decode batch's results in columns."""
     response = pb.StepResponse(step_id=result.step_id)
     response.results.extend([step_result(r) for r in result.results])

@@ -415,7 +415,7 @@ class Replica:
                     # It was applied, so it is applied again (a key forgotten and reused since, under
                     # a smaller retention than now, must not be taken for a repeat), and remembered.
                     self.step_keys.forget(request.idempotency_key)
-                    self.keyed_step(request, ops, decode, lambda result: convert.step_response(request, result))
+                    self.keyed_step(request, ops, decode, convert.step_response)
                 else:
                     # A single-op call is journaled as a Step whose decode-shaped op may sit in the
                     # decode columns, though it may have admitted its request: applied as allocate ops.

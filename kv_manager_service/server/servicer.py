@@ -183,10 +183,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         ops, decode = convert.step_ops(request)
         try:
             if request.idempotency_key:
-                return self.replica.keyed_step(
-                    request, ops, decode, lambda result: convert.step_response(request, result)
-                )
-            return convert.step_response(request, self.replica.step(ops, decode, request))
+                return self.replica.keyed_step(request, ops, decode, convert.step_response)
+            return convert.step_response(self.replica.step(ops, decode, request))
         except KVCacheError as error:
             error.field = _wire_field(error, len(ops), unary=False)
             raise

@@ -17,7 +17,7 @@ runs after every rule, and the rules assert the scheduler-visible contract:
 
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 import random
 from collections import Counter
 from typing import Any
@@ -556,7 +556,7 @@ class ManagerMachine(RuleBasedStateMachine):
         others = sorted(set(live) - set(ids))
         ops = [FreeOp(others[:1])] if others and data.draw(st.booleans(), label="free first") else []
         budget = data.draw(st.one_of(st.none(), st.integers(0, 4)), label="max_new_blocks")
-        twin = copy.deepcopy(m)
+        twin = deepcopy(m)
         twin_step = KVCacheManager.step.__get__(twin)  # the class's step: a machine may wrap the instance's
         result = m.step(ops, max_new_blocks=budget, decode=batch)
         expected = twin_step([*ops, *batch.as_ops()], max_new_blocks=budget)
