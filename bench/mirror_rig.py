@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 import grpc
 import redis
 
-from process_cpu import cpu_s
+from process_cpu import cpu_s, cpu_with_children_s
 from kv_manager_service import cli
 from kv_manager_service.core import BlockHasher, KVCacheConfig
 from kv_manager_service.mirror.schema import KeySchema
@@ -104,7 +104,8 @@ class MirrorServer:
         self.incarnation = self.stub.GetConfig(pb.GetConfigRequest(), timeout=10).incarnation
 
     def cpu_s(self) -> float:
-        return cpu_s(self.process.pid)
+        """The server's CPU seconds so far, its mirror writer process's included."""
+        return cpu_with_children_s(self.process.pid)
 
     def stop(self) -> str:
         """Stop the server; returns its log (warnings and errors only)."""

@@ -106,6 +106,7 @@ class WriterPlan:
     gap_ms: float
     lag_samples: int  # single fresh-prompt admissions per round
     burst_samples: int  # 512-block bursts per round
+    redis_writer: str = "thread"  # the "on" server's --redis-writer
 
     @property
     def blocks_per_request(self) -> int:
@@ -129,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--lag-samples", type=int, default=None, help="fresh-prompt lag samples per round (default 200, quick 30)")
     parser.add_argument("--burst-samples", type=int, default=None, help="512-block bursts per round (default 20, quick 4)")
+    parser.add_argument("--redis-writer", choices=("thread", "process"), default="thread",
+                        help="the mirrored server's --redis-writer (default %(default)s)")
 
 
 def plan_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> WriterPlan:
@@ -145,6 +148,7 @@ def plan_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         gap_ms=args.gap_ms,
         lag_samples=args.lag_samples or (30 if quick else 200),
         burst_samples=args.burst_samples or (4 if quick else 20),
+        redis_writer=args.redis_writer,
     )
 
 
@@ -157,7 +161,7 @@ def server_commands(plan: WriterPlan, redis_url: str) -> dict[str, list[str]]:
     """The "off" server (no mirror) and the "on" server (mirrored into `redis_url`), the same pool."""
     return {
         "off": server_argv("off", plan.step_pool_blocks),
-        "on": server_argv("on", plan.step_pool_blocks, redis_url, MODEL_ON),
+        "on": server_argv("on", plan.step_pool_blocks, redis_url, MODEL_ON) + ["--redis-writer", plan.redis_writer],
     }
 
 

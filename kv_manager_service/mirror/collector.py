@@ -138,7 +138,7 @@ class StaleFieldCollector:
         started = time.monotonic()
         num_keys = num_fields = 0
         unknown: set[str] = set()
-        for page in _pages(self.client.scan_iter(match=self._block_pattern(), count=1000), self.options.page_size):
+        for page in _pages(self.client.scan_iter(match=self.schema.block_pattern(), count=1000), self.options.page_size):
             num_keys += len(page)
             num_fields += self._collect_page(page, bounds, unknown)
             if self._stop.is_set():
@@ -217,11 +217,6 @@ class StaleFieldCollector:
             del self._absent[replica_id]
         self.metrics.num_collected_replicas += len(still_gone)
         return still_gone
-
-    def _block_pattern(self) -> str:
-        """SCAN's MATCH for the namespace's block keys, its glob characters escaped."""
-        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.schema.namespace)
-        return f"{escaped}:block:*"
 
 
 def _incarnation(value: bytes) -> int:

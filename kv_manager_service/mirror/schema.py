@@ -162,6 +162,11 @@ class KeySchema:
         """
         return f"{self.namespace}:block:{group_id}:{block_hash.hex()}"
 
+    def block_pattern(self) -> str:
+        """SCAN's MATCH for every block key of the namespace, its glob characters escaped."""
+        escaped = "".join("\\" + c if c in "*?[]\\" else c for c in self.namespace)
+        return f"{escaped}:block:*"
+
     def lease(self, replica_id: str) -> str:
         return f"{self.namespace}:lease:{replica_id}"
 

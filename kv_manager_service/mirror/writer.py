@@ -1,18 +1,18 @@
 """The writer of the Redis mirror: this replica's cached block hashes, in the background.
 
 It follows the service's event log (bounded: that is the pending queue) and
-writes the changes in pipelines; it is never on the RPC path. A block hash
-is published while at least one cached block of this replica carries it,
-in either tier (the device cache does not de-duplicate, so the writer
-counts, per tier). Its entry says which tier: the bare incarnation while a
-device block carries the hash, the host-only form (schema.block_entry_value)
-while only the host tier holds it. So a block that moves device -> host is
-rewritten, not deleted, and an onload makes it a device entry again. When
-Redis fails, or the writer falls behind the log's retention, it sets a
-resync flag; on recovery it takes a snapshot of the pool's cached set in
-both tiers, deletes what it had published and no longer holds, writes the
-rest, and resumes the deltas, so the mirror converges to exactly what the
-pool holds.
+hands each batch of events to its publisher (publisher.py), which writes
+the entries they change in one round trip; it is never on the RPC path. A
+block hash is published while at least one cached block of this replica
+carries it, in either tier; its entry says which (schema.block_entry_value).
+The publisher runs in this writer's thread (the default), or in a process
+of its own (publisher_process.py), for which the thread here waits without
+holding the GIL. When Redis fails (or the publisher's process
+dies), or the writer falls behind the log's retention, it sets a resync
+flag; on recovery it takes a snapshot of the pool's cached set in both
+tiers and has the publisher republish it: what it had published and no
+longer holds is deleted, the rest written, and the deltas resume, so the
+mirror converges to exactly what the pool holds.
 
 The lease. A heartbeat claims or renews the replica's lease by
 compare-and-set (schema.CLAIM_LEASE). The writer writes only while it holds
@@ -37,16 +37,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from binascii import hexlify
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import redis
 
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kv_manager_service.mirror.bulk import HashWrites
+from kv_manager_service.core.events import KVEvent
 from kv_manager_service.mirror.collector import CollectorMetrics, CollectorOptions, StaleFieldCollector
 from kv_manager_service.mirror.connect import cluster_epoch
 from kv_manager_service.mirror.schema import (
@@ -55,16 +53,17 @@ from kv_manager_service.mirror.schema import (
     KeySchema,
     Lease,
     ReplicaIdInUseError,
-    block_entry_value,
 )
+from kv_manager_service.mirror.publisher import BlockKey, EntryPublisher
+from kv_manager_service.mirror.publisher_process import PublisherProcess
 
 log = logging.getLogger("kv_manager_service.mirror.writer")
 
-BlockKey = tuple[int, bytes]  # (group id, block hash)
 # A consistent view of the pool: its device tier's cached (group, hash) counts,
 # the (group, hash) keys its host tier holds (empty without one), and the
 # sequence of the last event they include.
 Snapshot = tuple[Counter, "set[BlockKey]", int]
+Publisher = EntryPublisher | PublisherProcess
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,7 @@ class MirrorWriter:
         snapshot: Callable[[], Snapshot],
         lease: Callable[[], Lease],
         options: MirrorOptions = MirrorOptions(),
+        publisher: Publisher | None = None,
     ) -> None:
         self.client = client
         self.schema = schema
@@ -113,14 +113,8 @@ class MirrorWriter:
         self.lease = lease
         self.options = options
         self.metrics = MirrorMetrics()
-        # What Redis holds for us, as counts per tier: a key is published as a
-        # device entry while it has a device count, else as a host-only entry
-        # while it has a host count. Counts are positive: a key whose count
-        # falls to zero (or below) is removed.
-        self._published: dict[BlockKey, int] = {}
-        self._published_host: dict[BlockKey, int] = {}
-        self._key_prefixes: dict[int, bytes] = {}  # group id -> the Redis key of its blocks, less the hash
-        self._unsure: set[BlockKey] = set()  # keys a failed pipeline may have written
+        # The per-key work: in this thread, or in a process of its own (publisher_process.py).
+        self.publisher = publisher or EntryPublisher(client, schema, replica_id, self.incarnation)
         self._next_sequence = 1
         self._resync = True
         self._claim_lease = client.register_script(CLAIM_LEASE)
@@ -150,6 +144,7 @@ class MirrorWriter:
         self.collector.stop()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.publisher.close()
         try:
             self._drop_lease(keys=[self.schema.lease(self.replica_id)], args=[self.incarnation])
         except redis.RedisError:
@@ -212,51 +207,12 @@ class MirrorWriter:
     def _republish(self) -> None:
         """Make Redis hold exactly the pool's current cached set, both tiers, for this incarnation."""
         counts, host_keys, sequence = self.snapshot()
-        device = {key: count for key, count in counts.items() if count > 0}
-        host_only = set(host_keys) - device.keys()
-        published = self._published.keys() | self._published_host.keys()
-        gone = (published | self._unsure) - device.keys() - host_only
-        pipe = HashWrites(self.client)
-        pipe.hdel_each(self._redis_keys(gone), self.replica_id)
-        pipe.hset_each(self._redis_keys(device), self.replica_id, block_entry_value(self.incarnation, Tier.DEVICE))
-        pipe.hset_each(self._redis_keys(host_only), self.replica_id, block_entry_value(self.incarnation, Tier.HOST))
-        try:
-            pipe.execute()
-        except redis.RedisError:
-            # These may have landed; the retry deletes what the pool no longer holds.
-            self._unsure.update(device)
-            self._unsure.update(host_only)
-            raise
-        self._published = device
-        self._published_host = dict.fromkeys(host_keys, 1)
-        self._unsure.clear()
+        num_hashes, num_host_only = self.publisher.republish(counts, host_keys)
         self._next_sequence = sequence + 1
         self._resync = False
         self.metrics.num_resyncs += 1
         log.info("mirror republished %d block hashes (%d host-only) up to event %d",
-                 len(device) + len(host_only), len(host_only), sequence)  # fmt: skip
-
-    def _entry_tier(self, key: BlockKey) -> Tier | None:
-        """The tier the entry of `key` names after the events applied so far; None: no entry."""
-        if key in self._published:
-            return Tier.DEVICE
-        if key in self._published_host:
-            return Tier.HOST
-        return None
-
-    def _redis_keys(self, keys: Iterable[BlockKey]) -> list[bytes]:
-        """The Redis keys of block entries, as KeySchema.block spells them, encoded: one format per group."""
-        prefixes = self._key_prefixes
-        return [
-            (prefixes.get(group_id) or self._key_prefix(group_id)) + hexlify(block_hash)
-            for group_id, block_hash in keys
-        ]
-
-    def _key_prefix(self, group_id: int) -> bytes:
-        """The Redis key of a block of `group_id` without its hash (KeySchema.block of an empty hash)."""
-        prefix = self.schema.block(group_id, b"").encode()
-        self._key_prefixes[group_id] = prefix
-        return prefix
+                 num_hashes, num_host_only, sequence)  # fmt: skip
 
     def _write_batch(self) -> None:
         batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0.2)
@@ -270,47 +226,7 @@ class MirrorWriter:
             self._stop.wait(self.options.coalesce_s)
             batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0)
         self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
-        # This loop runs once per block event of the pool, under the GIL its
-        # RPCs need: it is plain dict operations, with `_entry_tier` inlined.
-        device, host = self._published, self._published_host
-        before: dict[BlockKey, Tier | None] = {}  # key -> its entry's tier before this batch
-        for _, (_, event) in batch:
-            if type(event) is AllBlocksCleared:
-                for key in device.keys() | host.keys():
-                    if key not in before:
-                        before[key] = self._entry_tier(key)
-                device.clear()
-                host.clear()
-                continue
-            counts = device if event.tier is Tier.DEVICE else host
-            delta = 1 if type(event) is BlockStored else -1
-            group_id = event.group_id
-            for block_hash in event.block_hashes:
-                key = (group_id, block_hash)
-                if key not in before:
-                    before[key] = Tier.DEVICE if key in device else Tier.HOST if key in host else None
-                count = counts.get(key, 0) + delta
-                if count > 0:
-                    counts[key] = count
-                else:
-                    counts.pop(key, None)
-        # The keys whose entry changed, by the tier it names after this batch (None: deleted).
-        changed: dict[Tier | None, list[BlockKey]] = {Tier.DEVICE: [], Tier.HOST: [], None: []}
-        for key, tier in before.items():
-            after = Tier.DEVICE if key in device else Tier.HOST if key in host else None
-            if after is not tier:
-                changed[after].append(key)
-        pipe = HashWrites(self.client)
-        pipe.hdel_each(self._redis_keys(changed[None]), self.replica_id)
-        for tier in (Tier.DEVICE, Tier.HOST):
-            pipe.hset_each(self._redis_keys(changed[tier]), self.replica_id, block_entry_value(self.incarnation, tier))
-        try:
-            pipe.execute()
-        except redis.RedisError:
-            # Part of the pipeline may have landed: the resync must clean these too.
-            for keys in changed.values():
-                self._unsure.update(keys)
-            raise
+        self.publisher.apply([event for _, (_, event) in batch])
         last_sequence, (appended_ns, _) = batch[-1]
         self._next_sequence = last_sequence + 1
         self.metrics.num_published += len(batch)

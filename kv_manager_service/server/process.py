@@ -51,6 +51,7 @@ OPERATOR_METHODS = frozenset(
     for name in ("WatchSteps", "AckSteps", "UnregisterWorker", "WatchEvents", "WatchEventBatches", "ResetPrefixCache")
 )
 REDIS_CLUSTER_MODES = ("auto", "yes", "no")  # mirror.connect.CLUSTER_MODES, named here without importing redis
+REDIS_WRITERS = ("thread", "process")  # --redis-writer
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class ServerOptions:
     redis_cluster: str = "auto"  # one of REDIS_CLUSTER_MODES: is --redis-url a Redis Cluster node (mirror/connect.py)
     redis_collect_interval_s: float = 300.0  # at most one collection of stale mirror fields per this long
     redis_collect_after_s: float = 600.0  # a replica id without a lease this long has all its fields collected
+    redis_writer: str = "thread"  # one of REDIS_WRITERS: where the mirror's publisher runs (mirror/publisher_process.py)
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
     worker_timeout_s: float = 10.0  # a registered worker neither streaming nor acknowledging this long is dropped
@@ -134,6 +136,8 @@ class ServerOptions:
         if self.redis_cluster not in REDIS_CLUSTER_MODES:
             modes = ", ".join(REDIS_CLUSTER_MODES)
             raise ValueError(f"--redis-cluster must be one of {modes}, got {self.redis_cluster!r}")
+        if self.redis_writer not in REDIS_WRITERS:
+            raise ValueError(f"--redis-writer must be one of {', '.join(REDIS_WRITERS)}, got {self.redis_writer!r}")
         if (self.redis_tls_ca is not None or self.redis_password is not None) and not self.redis_url:
             raise ValueError("--redis-tls-ca and --redis-password-file need --redis-url")
         if self.redis_tls_ca is not None and not self.redis_url.startswith("rediss://"):
@@ -362,6 +366,7 @@ def _mirror(
     from kv_manager_service.mirror.collector import CollectorOptions
     from kv_manager_service.mirror.connect import RedisEndpoint, connect, same_topology, topology
     from kv_manager_service.mirror.lookup import ClusterIndex
+    from kv_manager_service.mirror.publisher_process import PublisherProcess
     from kv_manager_service.mirror.schema import KeySchema
     from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 
@@ -379,6 +384,9 @@ def _mirror(
     lookup_client = connect(dataclasses.replace(same_topology(endpoint, client), timeout_s=budget_s))
     log.info("the mirror's Redis at %s: %s", _redact(options.redis_url), topology(client))
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
+    publisher = None  # "thread": the writer's own, on its client
+    if options.redis_writer == "process":
+        publisher = PublisherProcess(same_topology(endpoint, client), schema, replica.replica_id, str(replica.incarnation))
     writer = MirrorWriter(
         client,
         schema,
@@ -391,6 +399,7 @@ def _mirror(
             lease_ttl_s=options.lease_ttl_s,
             collector=CollectorOptions(options.redis_collect_interval_s, options.redis_collect_after_s),
         ),
+        publisher,
     )
     writer.claim_at_start()
     return writer, ClusterIndex(lookup_client, schema)

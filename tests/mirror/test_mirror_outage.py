@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 
 from mirror_support import (
     BLOCK_SIZE,
@@ -208,3 +210,43 @@ def test_frozen_redis_does_not_hold_rpcs_and_the_mirror_converges_after(redis_se
     wait_until(lambda: b.cluster(during[-1]), lambda got: got == {"replica-a": 2 * BLOCK_SIZE,
                                                                    "replica-b": 2 * BLOCK_SIZE},
                CONVERGE_TIMEOUT_S, "prefixes cached during the freeze to be reported")
+
+
+def test_a_killed_writer_process_is_replaced_and_the_last_one_exits_with_its_server(redis_server, replicas):
+    """With --redis-writer process the server's mirror publisher runs in a child process. Killed, it
+    is replaced and the mirror converges exactly, evictions made meanwhile included; its server
+    SIGKILLed, it exits."""
+    a = replicas.start("replica-a", redis_server.url, extra=["--redis-writer", "process"])
+    for i in range(12):
+        a.cache(f"first-{i}", prompt(100 + i, 3 * BLOCK_SIZE))
+    wait_mirror_converged([a], redis_server, namespace())
+    dead = _writer_process_of(a.process.pid)
+    os.kill(dead, signal.SIGKILL)
+    for i in range(12):  # 36 more blocks in a 64-block pool: some of the first prompts' blocks are evicted
+        a.cache(f"second-{i}", prompt(200 + i, 3 * BLOCK_SIZE))
+    assert a.stats().num_evictions > 0
+    wait_mirror_converged([a], redis_server, namespace())
+    replacement = _writer_process_of(a.process.pid)
+    assert replacement != dead
+    a.kill()
+    wait_until(lambda: os.path.exists(f"/proc/{replacement}"), lambda alive: not alive, CONVERGE_TIMEOUT_S,
+               "the writer process to exit after its server")  # fmt: skip
+
+
+def _writer_process_of(server_pid: int) -> int:
+    """The pid of the server's mirror publisher process (its child running mirror.publisher_process)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                argv = cmdline.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == server_pid and b"kv_manager_service.mirror.publisher_process" in argv:
+            found.append(int(entry))
+    assert len(found) == 1, f"server {server_pid} has writer processes {found}"
+    return found[0]

@@ -51,9 +51,10 @@ def test_two_model_names_never_see_each_others_entries(mirror_redis, replicas):
         keys = [k.decode() for k in client.scan_iter(count=1000)]
         assert keys and all(k.startswith((ns1 + ":", ns2 + ":")) for k in keys), keys
         assert replica_block_set(client, ns1, "m1-a", m1a.incarnation) == set(block_hashes(tokens))
-        assert replica_block_set(client, ns2, "m1-a", m2.incarnation) == set(
-            block_hashes(tokens[: 2 * BLOCK_SIZE])
-        ) | set(block_hashes(only_m2))
+        # qwen-7b's answers above came from m2's own pool: wait for its writer.
+        wait_until(lambda: replica_block_set(client, ns2, "m1-a", m2.incarnation),
+                   lambda got: got == set(block_hashes(tokens[: 2 * BLOCK_SIZE])) | set(block_hashes(only_m2)),
+                   CONVERGE_TIMEOUT_S, "qwen-7b's entries")  # fmt: skip
         assert {m.decode() for m in client.smembers(f"{ns1}:replicas")} == {"m1-a", "m1-b"}
         assert {m.decode() for m in client.smembers(f"{ns2}:replicas")} == {"m1-a"}
     finally:
@@ -76,9 +77,10 @@ def test_a_hash_seed_gets_its_own_namespace_and_is_not_written(mirror_redis, rep
     assert plain.cluster(tokens) == {"plain": 2 * BLOCK_SIZE}
     client = mirror_redis.client()
     try:
-        assert replica_block_set(client, namespace(seed=seed), "seeded", seeded.incarnation) == set(
-            block_hashes(tokens, seed=seed)
-        )
+        # The answers above came from each replica's own pool: wait for the seeded one's writer.
+        wait_until(lambda: replica_block_set(client, namespace(seed=seed), "seeded", seeded.incarnation),
+                   lambda got: got == set(block_hashes(tokens, seed=seed)), CONVERGE_TIMEOUT_S,
+                   "the seeded replica's entries")  # fmt: skip
         for key, values in all_redis_blobs(client).items():
             for blob in [key, *values]:
                 assert seed.encode() not in blob, (key, blob)

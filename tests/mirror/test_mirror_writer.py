@@ -12,6 +12,8 @@ converges to exactly what the pool holds".
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -24,6 +26,8 @@ import redis
 from kv_manager_service.server.broadcast_log import BroadcastLog
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kv_manager_service.mirror import bulk
+from kv_manager_service.mirror.connect import RedisEndpoint, connect
+from kv_manager_service.mirror.publisher_process import PublisherProcess
 from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 from kv_manager_service.mirror.schema import KeySchema, Lease, ReplicaIdInUseError
 from mirror_support import replica_block_set, wait_until
@@ -271,7 +275,7 @@ def test_a_republication_writes_both_tiers_exactly_and_deletes_the_rest(redis_se
         pool = TieredPool(host={h(1), h(2)})
         pool.store(h(1), h(1), h(3))
         writer, pool, _ = rig(pool, start=False)
-        writer._published_host[(0, h(9))] = 1  # published by an earlier life of this writer, no longer held
+        writer.publisher._published_host[(0, h(9))] = 1  # published by an earlier life of this writer, no longer held
         admin.hset(stale, REPLICA, HOST_ENTRY)
         writer.start()
         wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
@@ -416,3 +420,81 @@ def test_writer_writes_nothing_under_another_incarnations_lease(redis_server, ri
         assert admin.get(SCHEMA.lease(REPLICA)) == other.encode()
     finally:
         admin.close()
+
+
+# -- the publisher in a process of its own (the server's default) ----------------------------------------
+
+
+@pytest.fixture
+def process_writer(mirror_redis) -> Iterator[Callable[[StandInPool], MirrorWriter]]:
+    """A started writer whose publisher is a PublisherProcess, on either topology."""
+    made: list[MirrorWriter] = []
+
+    def make(pool: StandInPool) -> MirrorWriter:
+        lease = Lease(REPLICA, INCARNATION, "127.0.0.1:1", 0, 0.0, 1)
+        endpoint = RedisEndpoint(mirror_redis.url, timeout_s=1.0)
+        client = connect(endpoint)
+        writer = MirrorWriter(
+            client, SCHEMA, REPLICA, INCARNATION, pool.events, pool.snapshot, lambda: lease,
+            MirrorOptions(lease_ttl_s=1.0, retry_backoff_s=0.05, max_retry_backoff_s=0.2),
+            PublisherProcess(endpoint, SCHEMA, REPLICA, str(INCARNATION)),
+        )  # fmt: skip
+        made.append(writer)
+        writer.start()
+        return writer
+
+    yield make
+    for writer in made:
+        writer.stop()
+        writer.client.close()
+
+
+def test_a_writer_process_gives_exactly_the_entries_of_both_tiers(mirror_redis, process_writer):
+    pool = TieredPool(host={h(1), h(2)})
+    pool.store(h(1), h(3))
+    writer = process_writer(pool)
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+    pool._log(BlockStored(0, (h(4),), None, 0, Tier.HOST))
+    pool._log(BlockRemoved(0, (h(1),)))  # its host copy is left
+    pool._log(BlockStored(0, (h(2),), None, 16))  # onloaded
+    wait_written(pool, writer)
+    assert entries(mirror_redis) == {SCHEMA.block(0, h(1)): HOST_ENTRY, SCHEMA.block(0, h(2)): DEVICE_ENTRY,
+                                     SCHEMA.block(0, h(3)): DEVICE_ENTRY, SCHEMA.block(0, h(4)): HOST_ENTRY}  # fmt: skip
+    assert writer.publisher.num_starts == 1 and writer.metrics.num_failures == 0
+
+
+def test_a_killed_writer_process_is_replaced_and_the_entries_it_published_are_swept(mirror_redis, process_writer):
+    """The new process does not know what the dead one published: only its sweep deletes the entries
+    of blocks the pool dropped while no process was running."""
+    pool = StandInPool()
+    writer = process_writer(pool)
+    pool.store(*(h(i) for i in range(20)))
+    wait_converged(mirror_redis, pool, writer)
+    dead_pid = writer.publisher.pid
+    os.kill(dead_pid, signal.SIGKILL)
+    wait_until(lambda: _exited(dead_pid), bool, CONVERGE_S, "the writer process to die")
+    pool.remove(*(h(i) for i in range(10)))  # the batch that meets the dead process
+    pool.store(h(20))
+    wait_until(lambda: writer.publisher.num_starts, lambda n: n == 2, CONVERGE_S, "a new writer process")
+    wait_converged(mirror_redis, pool, writer)
+    assert writer.publisher.pid != dead_pid and writer.metrics.num_failures >= 1
+    pool.remove(h(10))  # the new process follows the deltas
+    wait_converged(mirror_redis, pool, writer)
+
+
+def test_a_stopped_writer_stops_its_process(mirror_redis, process_writer):
+    writer = process_writer(StandInPool())
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+    pid = writer.publisher.pid
+    writer.stop()
+    assert writer.publisher.pid is None
+    wait_until(lambda: _exited(pid), bool, CONVERGE_S, "the writer process to exit")
+
+
+def _exited(pid: int) -> bool:
+    """Whether `pid` is gone (or a zombie no one waited for yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
