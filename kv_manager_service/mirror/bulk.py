@@ -70,6 +70,15 @@ class CommandTemplate:
         data = key.encode() if isinstance(key, str) else key
         return b"%b$%d\r\n%b\r\n%b" % (self.head, len(data), data, self.tail)
 
+    def pack_each(self, keys: Sequence[bytes]) -> list[bytes]:
+        """`pack` of every key. Keys of one length (one group's block keys) cost two concatenations each:
+        everything but the key is formatted once, which is half the cost of a format per key."""
+        lengths = set(map(len, keys))
+        if len(lengths) != 1:
+            return [self.pack(key) for key in keys]
+        before_key, after_key = self.head + b"$%d\r\n" % lengths.pop(), b"\r\n" + self.tail
+        return [before_key + key + after_key for key in keys]
+
 
 class HashWrites:
     """HSET and HDEL of single fields over many keys, sent by `execute` in one round trip per node.
@@ -103,18 +112,8 @@ class HashWrites:
         self._add(self._template("HDEL", field), keys)
 
     def _add(self, template: CommandTemplate, keys: Sequence[bytes]) -> None:
-        head, tail = template.head, template.tail
-        lengths = set(map(len, keys))
-        if len(lengths) == 1:
-            # The common run: keys of one length (one group's block keys), so
-            # everything but the key is formatted once; two concatenations
-            # cost half of a format per key.
-            before_key, after_key = head + b"$%d\r\n" % lengths.pop(), b"\r\n" + tail
-            commands = [before_key + key + after_key for key in keys]
-        else:
-            commands = [b"%b$%d\r\n%b\r\n%b" % (head, len(key), key, tail) for key in keys]
         self._keys.extend(keys)
-        self._commands.extend(commands)
+        self._commands.extend(template.pack_each(keys))
 
     def _template(self, name: str, *trailing: str) -> CommandTemplate:
         template = self._templates.get((name, *trailing))

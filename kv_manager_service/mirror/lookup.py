@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from binascii import hexlify
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Sequence
@@ -158,14 +159,15 @@ class ClusterIndex:
         schema = self.schema
         client = self.client
         known, live_before = self._known_replicas, self._live_replicas
+        key_prefix = schema.block_prefix(group_id)
         first_end = min(len(block_hashes), FIRST_CHUNK_BLOCKS)
-        first_keys = [schema.block(group_id, h).encode() for h in block_hashes[:first_end]]
+        first_keys = [key_prefix + hexlify(h) for h in block_hashes[:first_end]]
         keys: list[str | bytes] = [schema.replicas, *(schema.lease(r) for r in known)]
         commands = [bulk.pack_command("SMEMBERS", schema.replicas), *(GET.pack(key) for key in keys[1:])]
         if live_before:
             read_fields = _entry_read(live_before)
             keys += first_keys
-            commands += [read_fields.pack(key) for key in first_keys]
+            commands += read_fields.pack_each(first_keys)
         replies = bulk.execute(client, keys, commands)
         members = sorted(_text(m) for m in replies[0])
         prefixes: dict[str, _Prefix] = {}
@@ -177,7 +179,7 @@ class ClusterIndex:
         if new or late:
             read_fields = _entry_read(late + new)
             lease_keys = [schema.lease(r) for r in new]
-            commands = [GET.pack(k) for k in lease_keys] + [read_fields.pack(k) for k in first_keys]
+            commands = [GET.pack(k) for k in lease_keys] + read_fields.pack_each(first_keys)
             replies = bulk.execute(client, lease_keys + first_keys, commands)
             _add_leases(prefixes, new, replies[: len(new)])
             _extend(prefixes, late + new, replies[len(new) :])
@@ -191,9 +193,9 @@ class ClusterIndex:
             if not matching:
                 break
             end = min(len(block_hashes), start * CHUNK_GROWTH)
-            block_keys = [schema.block(group_id, h).encode() for h in block_hashes[start:end]]
-            read_fields = _entry_read(matching)
-            _extend(prefixes, matching, bulk.execute(client, block_keys, [read_fields.pack(k) for k in block_keys]))
+            block_keys = [key_prefix + hexlify(h) for h in block_hashes[start:end]]
+            commands = _entry_read(matching).pack_each(block_keys)
+            _extend(prefixes, matching, bulk.execute(client, block_keys, commands))
             start = end
         return [(p.lease, p.is_host) for p in prefixes.values()]
 

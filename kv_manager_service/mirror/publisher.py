@@ -150,9 +150,7 @@ class EntryPublisher:
         ]
 
     def _key_prefix(self, group_id: int) -> bytes:
-        """The Redis key of a block of `group_id` without its hash (KeySchema.block of an empty hash)."""
-        prefix = self.schema.block(group_id, b"").encode()
-        self._key_prefixes[group_id] = prefix
+        prefix = self._key_prefixes[group_id] = self.schema.block_prefix(group_id)
         return prefix
 
     def _entries_in_redis(self) -> set[bytes]:

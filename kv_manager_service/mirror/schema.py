@@ -155,12 +155,12 @@ class KeySchema:
         return f"kvcache:{self.model}:{self.hash_algorithm}:{seed_tag}"
 
     def block(self, group_id: int, block_hash: bytes) -> str:
-        """The key of a block entry: a prefix per group, then the hash in hex.
-
-        The writer relies on that shape: it formats `block(group_id, b"")`
-        once per group and appends each hash's hex to it.
-        """
+        """The key of a block entry: a prefix per group (`block_prefix`), then the hash in hex."""
         return f"{self.namespace}:block:{group_id}:{block_hash.hex()}"
+
+    def block_prefix(self, group_id: int) -> bytes:
+        """`block(group_id, h)` less the hash, encoded: the writer and the lookup append each hash's hex to it."""
+        return self.block(group_id, b"").encode()
 
     def block_pattern(self) -> str:
         """SCAN's MATCH for every block key of the namespace, its glob characters escaped."""

@@ -71,6 +71,9 @@ def test_pack_command_is_what_redis_py_sends():
     assert bulk.pack_command("HSET", "k", b"f", "v") == b"*4\r\n$4\r\nHSET\r\n$1\r\nk\r\n$1\r\nf\r\n$1\r\nv\r\n"
     assert bulk.CommandTemplate(b"HMGET", (b"a", b"bb")).pack("key:1") == bulk.pack_command("HMGET", "key:1", "a", "bb")
     assert bulk.CommandTemplate(b"GET").pack(b"\xff\x00") == bulk.pack_command(b"GET", b"\xff\x00")
+    template = bulk.CommandTemplate(b"HMGET", (b"a", b"bb"))
+    for keys in ([b"k:1", b"k:2", b"k:3"], [b"k:1", b"key:22", b""], []):  # one length, mixed lengths, none
+        assert template.pack_each(keys) == [bulk.pack_command("HMGET", key, "a", "bb") for key in keys]
     writes = bulk.HashWrites(redis.Redis())
     writes.hset("k:1", "replica-a", "7")
     writes.hdel("k:2", "replica-a")
