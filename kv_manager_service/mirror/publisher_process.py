@@ -29,7 +29,6 @@ server dies reads the end of its socket and exits.
 
 from __future__ import annotations
 
-import logging
 import signal
 import socket
 import subprocess
@@ -44,8 +43,6 @@ from kv_manager_service.core.events import KVEvent
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
 from kv_manager_service.mirror.publisher import BlockKey, EntryPublisher
 from kv_manager_service.mirror.schema import KeySchema
-
-log = logging.getLogger("kv_manager_service.mirror.publisher_process")
 
 CALLS = ("republish", "apply")
 """The EntryPublisher methods a parent may call in the child."""
@@ -101,9 +98,12 @@ class PublisherProcess:
     def _start(self) -> None:
         parent_end, child_end = socket.socketpair()
         with parent_end, child_end:
-            self._child = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(child_end.fileno())], pass_fds=[child_end.fileno()]
-            )
+            try:
+                self._child = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(child_end.fileno())], pass_fds=[child_end.fileno()]
+                )
+            except OSError as error:  # out of processes or memory: retried as any failed write is
+                raise redis.ConnectionError(f"cannot start the mirror's writer process: {error}") from error
             self._connection = Connection(parent_end.detach())
         self.num_starts += 1
         self._connection.send(self._setup)
