@@ -54,7 +54,8 @@ def timed_apply(publisher, events) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15, help="rounds, each one Step's stores and removals (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="rounds, each one Step's stores and removals (default %(default)s)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")

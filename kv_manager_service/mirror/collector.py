@@ -138,7 +138,7 @@ class StaleFieldCollector:
         started = time.monotonic()
         num_keys = num_fields = 0
         unknown: set[str] = set()
-        for page in _pages(self.client.scan_iter(match=self.schema.block_pattern(), count=1000), self.options.page_size):
+        for page in pages(self.client.scan_iter(match=self.schema.block_pattern(), count=1000), self.options.page_size):
             num_keys += len(page)
             num_fields += self._collect_page(page, bounds, unknown)
             if self._stop.is_set():
@@ -225,7 +225,8 @@ def _incarnation(value: bytes) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def _pages(keys: Iterable[bytes], page_size: int) -> Iterator[list[bytes]]:
+def pages(keys: Iterable[bytes], page_size: int) -> Iterator[list[bytes]]:
+    """`keys` in lists of `page_size` (the last one shorter), as a scan yields them."""
     page: list[bytes] = []
     for key in keys:
         page.append(key)

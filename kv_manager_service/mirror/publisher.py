@@ -22,7 +22,8 @@ from typing import Iterable, Mapping, Sequence
 import redis
 
 from kv_manager_service.core.events import AllBlocksCleared, BlockStored, KVEvent, Tier
-from kv_manager_service.mirror.bulk import HashWrites
+from kv_manager_service.mirror.bulk import CommandTemplate, HashWrites, execute
+from kv_manager_service.mirror.collector import pages
 from kv_manager_service.mirror.schema import KeySchema, block_entry_value
 
 BlockKey = tuple[int, bytes]  # (group id, block hash)
@@ -71,7 +72,7 @@ class EntryPublisher:
         device_keys = self._redis_keys(device)
         host_only_keys = self._redis_keys(host_only)
         if sweep:
-            gone += self._entries_in_redis() - set(device_keys) - set(host_only_keys) - set(gone)
+            gone.extend(self._entries_in_redis() - set(device_keys) - set(host_only_keys) - set(gone))
         writes = HashWrites(self.client)
         writes.hdel_each(gone, self.replica_id)
         writes.hset_each(device_keys, self.replica_id, block_entry_value(self.incarnation, Tier.DEVICE))
@@ -129,8 +130,8 @@ class EntryPublisher:
                 deleted.append(key)
         writes = HashWrites(self.client)
         writes.hdel_each(self._redis_keys(deleted), self.replica_id)
-        writes.hset_each(self._redis_keys(now_device), self.replica_id, block_entry_value(self.incarnation, Tier.DEVICE))
-        writes.hset_each(self._redis_keys(now_host), self.replica_id, block_entry_value(self.incarnation, Tier.HOST))
+        for keys, tier in ((now_device, Tier.DEVICE), (now_host, Tier.HOST)):
+            writes.hset_each(self._redis_keys(keys), self.replica_id, block_entry_value(self.incarnation, tier))
         try:
             writes.execute()
         except redis.RedisError:
@@ -155,21 +156,10 @@ class EntryPublisher:
 
     def _entries_in_redis(self) -> set[bytes]:
         """The block keys in Redis that hold a field of this replica, whatever its value: a scan of the namespace."""
+        holds_field = CommandTemplate(b"HEXISTS", (self.replica_id.encode(),))
         found: set[bytes] = set()
-        page: list[bytes] = []
-        for key in self.client.scan_iter(match=self.schema.block_pattern(), count=SWEEP_PAGE_KEYS):
-            page.append(key)
-            if len(page) == SWEEP_PAGE_KEYS:
-                found.update(self._holding(page))
-                page = []
-        found.update(self._holding(page))
+        keys = self.client.scan_iter(match=self.schema.block_pattern(), count=SWEEP_PAGE_KEYS)
+        for page in pages(keys, SWEEP_PAGE_KEYS):
+            replies = execute(self.client, page, holds_field.pack_each(page))
+            found.update(key for key, held in zip(page, replies) if held)
         return found
-
-    def _holding(self, keys: list[bytes]) -> list[bytes]:
-        """Those of `keys` that hold a field of this replica."""
-        if not keys:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hexists(key, self.replica_id)
-        return [key for key, held in zip(keys, pipe.execute()) if held]

@@ -67,7 +67,7 @@ class ServerOptions:
     redis_cluster: str = "auto"  # one of REDIS_CLUSTER_MODES: is --redis-url a Redis Cluster node (mirror/connect.py)
     redis_collect_interval_s: float = 300.0  # at most one collection of stale mirror fields per this long
     redis_collect_after_s: float = 600.0  # a replica id without a lease this long has all its fields collected
-    redis_writer: str = "thread"  # one of REDIS_WRITERS: where the mirror's publisher runs (mirror/publisher_process.py)
+    redis_writer: str = "thread"  # one of REDIS_WRITERS: where the mirror's publisher runs (publisher_process.py)
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
     worker_timeout_s: float = 10.0  # a registered worker neither streaming nor acknowledging this long is dropped
@@ -379,14 +379,15 @@ def _mirror(
         ssl_ca_certs=None if options.redis_tls_ca is None else str(options.redis_tls_ca),
     )
     client = connect(endpoint)
+    endpoint = same_topology(endpoint, client)  # the topology found, so that the other clients need not ask
     # The lookups' own connections, so that they never wait behind the writer; the timeout is their budget.
     budget_s = options.cluster_lookup_timeout_ms / 1000
-    lookup_client = connect(dataclasses.replace(same_topology(endpoint, client), timeout_s=budget_s))
+    lookup_client = connect(dataclasses.replace(endpoint, timeout_s=budget_s))
     log.info("the mirror's Redis at %s: %s", _redact(options.redis_url), topology(client))
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
     publisher = None  # "thread": the writer's own, on its client
     if options.redis_writer == "process":
-        publisher = PublisherProcess(same_topology(endpoint, client), schema, replica.replica_id, str(replica.incarnation))
+        publisher = PublisherProcess(endpoint, schema, replica.replica_id, str(replica.incarnation))
     writer = MirrorWriter(
         client,
         schema,

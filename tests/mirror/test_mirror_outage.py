@@ -23,7 +23,8 @@ def test_redis_sigkill_under_load_then_mirror_converges_exactly(redis_server, re
     a, b = replicas.start_many(
         [
             dict(replica_id="replica-a", redis_url=redis_server.url, num_blocks=64),
-            dict(replica_id="replica-b", redis_url=redis_server.url, num_blocks=64, extra=["--redis-writer", "process"]),
+            dict(replica_id="replica-b", redis_url=redis_server.url, num_blocks=64,
+                 extra=["--redis-writer", "process"]),
         ]
     )
     ns = namespace()
