@@ -8,8 +8,9 @@ time the writer waits for the GIL. In a process of its own it runs on
 another core, and the writer's thread waits for it without the GIL: for a
 batch of 8,704 new hashes the server's GIL is held ~2 ms instead of ~20
 (bench/mirror_publisher_bench.py). The batch costs more in all (its events
-are pickled, sent and unpickled), so this pays only on a host with a core
-to spare: `--redis-writer process`, not the default.
+are pickled, sent and unpickled), so this is for a host with a core to
+spare: `--redis-writer process`, not the default. On two cores shared with
+Redis and the clients it did not pay (BENCHMARKS.md).
 
 How. `PublisherProcess` starts `python -m
 kv_manager_service.mirror.publisher_process FD`, where FD is one end of a
