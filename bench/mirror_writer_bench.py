@@ -403,7 +403,7 @@ def rows(results: Results, plan: WriterPlan) -> list[str]:
             row("1", "  ratio on / off, Steps that fill nothing p50", s(f"{prefix}ratio:nofill_p50"), "x"),
             row("1", "  server process CPU per Step, off", s(f"{prefix}off:server_cpu"), "ms", note="/proc/PID/stat"),
             row("1", "  server process CPU per Step, on", s(f"{prefix}on:server_cpu"), "ms",
-                note="writer thread included"),
+                note="the writer included: its thread, or its process (--redis-writer)"),
             row("1", "  ratio on / off, server CPU", s(f"{prefix}ratio:server_cpu"), "x"),
             row("1", "  redis-server CPU per Step, during the on-server's Steps", s(f"{prefix}on:redis_cpu"), "ms",
                 note="every node of a cluster"),
