@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels
+from gpu_worker.kv_presence import TokenSpan
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledRequest
@@ -84,8 +85,9 @@ class StepClock:
         return wrapped
 
 
-def build_runner(vocab_size: int, batch: int, num_positions: int) -> ModelRunner:
-    """A CPU runner whose `batch` requests `r0..` each hold blocks for `num_positions` positions."""
+def build_runner(vocab_size: int, batch: int, num_positions: int, context: int) -> ModelRunner:
+    """A CPU runner whose `batch` requests `r0..` each hold blocks for `num_positions` positions, the first
+    `context` of which count as computed (their KV is the cache's zeros: the bench times decoding, not prefill)."""
     config = ModelConfig(
         f"bench-{vocab_size}", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16,
@@ -101,13 +103,14 @@ def build_runner(vocab_size: int, batch: int, num_positions: int) -> ModelRunner
         row = delta.rows_added.add(request_id=f"r{index}")
         row.groups.add(group_id=0, block_ids=range(first, first + blocks_per_request))
     runner.apply_step(delta)
+    runner.presence.record_written([TokenSpan(f"r{index}", 0, context) for index in range(batch)])
     return runner
 
 
 def bench_one(vocab_size: int, batch: int, temperature: float, args: argparse.Namespace) -> dict[str, float]:
     """p50 ms of prepare, sampling and the whole execute over decode steps of one configuration."""
     num_steps = args.warmup + args.steps
-    runner = build_runner(vocab_size, batch, args.context + num_steps)
+    runner = build_runner(vocab_size, batch, args.context + num_steps, args.context)
     clock = StepClock(runner.model)
     prepare, sampling, execute = [], [], []
     for step in range(num_steps):

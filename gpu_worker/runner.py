@@ -7,6 +7,10 @@ before any compute that reads them. With a host tier (`gpu_worker.host_tier`)
 the runner also owns the host KV buffer, and a delta's tier copies go first:
 offloads, then onloads, then copy-on-write copies.
 
+The runner never reads a block for a request unless this process filled it
+(`gpu_worker.kv_presence`): `execute` refuses, computing nothing, a batch in
+which a request would read KV that is not here.
+
 Host and device meet twice per step. Every small input (token ids, query
 starts, lengths, block-table rows, sampling parameters) goes over in one
 copy of a per-step staging buffer (`gpu_worker.staging`); positions and the
@@ -25,6 +29,7 @@ import torch
 
 from gpu_worker.block_tables import BlockTables
 from gpu_worker.host_tier import HostKVBuffer, check_tier_copies
+from gpu_worker.kv_presence import KVPresence, TokenSpan, UnfilledKVError
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.sampling import SampledRows, SamplingParams, noise_key, sample
@@ -131,6 +136,10 @@ class ModelRunner:
         self.host_kv = HostKVBuffer(pool.num_host_blocks, len(self.tier_layers), tier_block_shape, dtype, device)
         max_blocks = [-(-pool.max_model_len // g.block_size) for g in pool.groups]
         self.tables = BlockTables(pool.max_num_requests, max_blocks, device)
+        self.presence = KVPresence(
+            pool.num_blocks, [g.block_size for g in pool.groups], [g.sliding_window for g in pool.groups],
+            pool.num_host_blocks,
+        )  # fmt: skip
         self.scale = config.head_dim**-0.5
         self.last_applied_step_id = 0
 
@@ -157,6 +166,8 @@ class ModelRunner:
         or when it does not follow the last applied step: after a refused step
         every later one is refused too, since the tables here no longer match
         the manager's (the worker must restart to resync).
+
+        `presence` follows the delta too: which blocks hold KV computed here.
         """
         if delta.step_id != self.last_applied_step_id + 1:
             raise FailedPreconditionError(
@@ -177,7 +188,13 @@ class ModelRunner:
             tables.remove(request_id)
         if moves.offloads or moves.onloads or moves.copies:
             self._move_blocks(moves)
+        self.presence.apply_step(delta)
         self.last_applied_step_id = delta.step_id
+
+    def add_unfilled(self, request_id: str, tables: Sequence[Sequence[int]]) -> None:
+        """A request that was live before this process followed any step: its table, and none of its KV."""
+        self.tables.add(request_id, tables)
+        self.presence.add_unfilled(request_id, tables)
 
     def _move_blocks(self, moves: BlockMoves) -> None:
         """Apply checked moves in order; every device-side id goes over in one staging copy."""
@@ -197,9 +214,27 @@ class ModelRunner:
         """Compute and store the K/V of every scheduled token; the next token of each request.
 
         Raises a KVCacheError (nothing computed, nothing stored) when a request
-        has no table here or its tokens run past its blocks.
+        has no table here or its tokens run past its blocks, and UnfilledKVError
+        (a KVMissingError naming every such request) when a request would read
+        a slot this process has not filled and no request of the batch writes.
+        Records the slots written once the forward pass has returned; a pass
+        that fails part-way leaves its slots counted as holding nothing.
         """
         self._check(requests)
+        spans = [TokenSpan(r.request_id, r.start_position, len(r.token_ids)) for r in requests]
+        missing = self.presence.check(spans)
+        if missing is not None:
+            raise UnfilledKVError(missing, self.last_applied_step_id)
+        try:
+            outputs = self._forward(requests)
+        except BaseException:
+            self.presence.forget_written(spans)
+            raise
+        self.presence.record_written(spans)
+        return outputs
+
+    def _forward(self, requests: Sequence[ScheduledRequest]) -> list[RequestOutput]:
+        """The forward pass over checked requests: stores their K/V, samples their next tokens."""
         token_ids: list[int] = []
         query_start_loc = [0]
         seq_lens = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import time
 from concurrent import futures
@@ -141,6 +142,7 @@ class RunningWorker:
 
     def stop(self, grace_s: float) -> None:
         self.server.stop(grace_s).wait()
+        self.servicer.close()
         self.servicer.follower.leave()
         self.servicer.manager.close()
         if self.metrics is not None:
@@ -203,14 +205,15 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     if options.backend == "triton" and device.type == "cuda":  # the CPU interpreter has nothing to compile
         warm_up_kernels(model_config, pool, dtype, device)
 
-    # Start from the manager's present tables; follow every later step.
+    # Start from the manager's present tables, none of whose KV is here; follow every later step.
     snapshot = manager.block_tables()
     for table in snapshot.tables:
-        runner.tables.add(table.request_id, table.block_ids)
+        runner.add_unfilled(table.request_id, table.block_ids)
     runner.last_applied_step_id = snapshot.step_id
     if snapshot.tables:
         log.warning("%d requests were live before this worker started: their KV is not here", len(snapshot.tables))
-    follower = StepFollower(manager, options.worker_id, snapshot.step_id + 1)
+    incarnation = secrets.randbits(64) or 1  # this process's memory, as the manager tells it from a restarted one
+    follower = StepFollower(manager, options.worker_id, snapshot.step_id + 1, incarnation)
     follower.start()
 
     info = pb.GetWorkerInfoResponse(
@@ -262,7 +265,7 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         "worker %s: model %s (%d layers) on %s/%s %s, %d blocks, KV cache %.1f MiB, following %s from step %d",
         options.worker_id, model_config.name, model_config.num_layers, options.device, options.backend, info.dtype,
         pool.num_blocks, runner.kv_cache_bytes / 2**20, options.manager, snapshot.step_id + 1,
-        extra={"worker_id": options.worker_id, "manager": options.manager},
+        extra={"worker_id": options.worker_id, "manager": options.manager, "incarnation": incarnation},
     )  # fmt: skip
     if metrics is not None:
         readers = metrics.access.describe()

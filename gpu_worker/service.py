@@ -1,4 +1,12 @@
-"""`WorkerService` over gRPC: translates between proto and the runner, and keeps step order."""
+"""`WorkerService` over gRPC: translates between proto and the runner, keeps step order, and tells
+the manager what this worker's memory does not hold.
+
+An Execute that the worker refuses once its steps' deltas are applied is
+reported to the manager (`ReportMissingKV`) before the reply: KV_MISSING
+when the guard found requests that would read unfilled blocks
+(`gpu_worker.kv_presence`), STEP_REFUSED for any other refusal, since the
+tokens it carried were not computed.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +14,18 @@ import logging
 import re
 import threading
 import time
+from typing import Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gpu_worker.kv_presence import UnfilledKVError
+from gpu_worker.kv_reports import MissingKVReporter
 from gpu_worker.runner import ModelRunner, ScheduledRequest
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.step_follower import FollowerError, StepFollower
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError, KVCacheError
+from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError, KVCacheError, KVMissingError
 from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
 from kv_manager_service.rpc.status import end_call, status_code
 from kvcache.v1 import kv_manager_pb2 as manager_pb
@@ -54,6 +65,16 @@ class WorkerMetrics:
         last_applied.set_function(lambda: runner.last_applied_step_id)
         kv_cache = Gauge("gpu_worker_kv_cache_bytes", "Bytes of the KV cache tensors.", registry=registry)
         kv_cache.set(runner.kv_cache_bytes)
+        self.kv_missing_refusals = Counter(
+            "gpu_worker_kv_missing_refusals",
+            "Executes refused because a request would have read KV this worker does not hold (KV_MISSING).",
+            registry=registry,
+        )
+        self.kv_reports_failed = Counter(
+            "gpu_worker_kv_reports_failed",
+            "ReportMissingKV tries that failed; a report the manager did not answer is tried again.",
+            registry=registry,
+        )
 
     def executed(self, forward_s: float, num_requests: int, num_tokens: int) -> None:
         self.forward_seconds.observe(forward_s)
@@ -65,7 +86,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     """One Execute at a time, each after every delta up to its step has been applied.
 
     Steps are acknowledged to the manager once applied (their copies done),
-    without holding up the reply.
+    without holding up the reply. An Execute refused after its deltas were
+    applied is reported to the manager before the reply (`MissingKVReporter`).
     """
 
     def __init__(
@@ -83,7 +105,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.info = info
         self.step_timeout_s = step_timeout_s
         self.metrics = metrics
+        self.reports = MissingKVReporter(manager, metrics)
         self.lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop retrying undelivered reports."""
+        self.reports.close()
 
     def Execute(self, request: pb.ExecuteRequest, context: grpc.ServicerContext) -> pb.ExecuteResponse:
         try:
@@ -96,10 +123,16 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             with self.lock:
                 deltas = self._deltas_through(request.step_id)
                 started = time.perf_counter()
-                self._apply(deltas, request.step_id)
-                outputs = self.runner.execute(scheduled)
+                try:
+                    self._apply(deltas, request.step_id)
+                    outputs = self.runner.execute(scheduled)
+                except Exception as error:
+                    self._report_refused(error, scheduled)
+                    raise
                 forward_ms = (time.perf_counter() - started) * 1e3
         except KVCacheError as error:
+            if isinstance(error, KVMissingError) and self.metrics is not None:
+                self.metrics.kv_missing_refusals.inc()
             self._log_failed(request, status_code(error), error, error.field)
             end_call(context, error)
         except TimeoutError as error:
@@ -132,7 +165,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> None:
         """One WARNING line per failed Execute: its step, code, field, and the requests it names (or all of them)."""
         match = _REQUEST_FIELD.match(field or "")
-        if match is not None and int(match.group(1)) < len(request.requests):
+        if isinstance(error, KVMissingError):
+            request_ids = error.request_ids[:MAX_LOGGED_IDS]
+        elif match is not None and int(match.group(1)) < len(request.requests):
             request_ids = [request.requests[int(match.group(1))].request_id]
         else:
             request_ids = [r.request_id for r in request.requests[:MAX_LOGGED_IDS]]
@@ -149,7 +184,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         return info
 
     def _deltas_through(self, step_id: int) -> list[manager_pb.StepDelta]:
-        """The deltas not yet applied up to `step_id`; waits for them to arrive from the manager."""
+        """The deltas not yet applied up to `step_id`; waits for them to arrive from the manager.
+
+        `step_id` may be the last step applied: an Execute of it again (the
+        requests a KV_MISSING refusal did not name) applies nothing more.
+        """
         applied = self.runner.last_applied_step_id
         if step_id < applied:
             raise FailedPreconditionError(
@@ -158,6 +197,37 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 "step_id",
             )
         return self.follower.take_through(step_id, self.step_timeout_s)
+
+    def _report_refused(self, error: Exception, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Tell the manager, before the reply, what a refused Execute leaves missing here.
+
+        KV_MISSING (the guard refused): the requests it names and the blocks
+        they lack. STEP_REFUSED (any other refusal, once the deltas are
+        applied): every request of the call that has a table here, and its
+        blocks that are not full, from the one holding its start position on. Either report
+        carries the host blocks onloaded while they held nothing here.
+        Nothing is sent when there is nothing to say.
+        """
+        presence = self.runner.presence
+        if isinstance(error, UnfilledKVError):
+            cause = manager_pb.KV_LOSS_CAUSE_KV_MISSING
+            request_ids, device_block_ids = list(error.missing.request_ids), list(error.missing.device_block_ids)
+        else:
+            cause = manager_pb.KV_LOSS_CAUSE_STEP_REFUSED
+            request_ids = list(dict.fromkeys(r.request_id for r in scheduled if r.request_id in presence))
+            starts = {r.request_id: r.start_position for r in reversed(scheduled)}  # the first start of each
+            blocks = (presence.unfilled_blocks_from(rid, starts[rid]) for rid in request_ids)
+            device_block_ids = sorted({block_id for some in blocks for block_id in some})
+        host_block_ids = presence.take_missing_host_block_ids()
+        if not (request_ids or device_block_ids or host_block_ids):
+            return
+        self.reports.report(
+            manager_pb.ReportMissingKVRequest(
+                worker_id=self.follower.worker_id, incarnation=self.follower.incarnation,
+                step_id=self.runner.last_applied_step_id, device_block_ids=device_block_ids,
+                host_block_ids=host_block_ids, request_ids=request_ids, cause=cause,
+            )
+        )  # fmt: skip
 
     def _apply(self, deltas: list[manager_pb.StepDelta], step_id: int) -> None:
         """Apply the deltas (copies included), then acknowledge them without waiting for the reply."""

@@ -24,12 +24,16 @@ class StepFollower:
 
     Deltas are kept until taken; `take_through(n)` waits until every step up
     to n has arrived. Invariant: the deltas held are consecutive, starting at
-    the first step not yet taken.
+    the first step not yet taken. Every WatchSteps, reconnections included,
+    carries `incarnation`: the manager tells a worker process that restarted
+    (empty memory) from one that reconnected (see WatchStepsRequest).
     """
 
-    def __init__(self, client: KVManagerClient, worker_id: str, first_step_id: int) -> None:
+    def __init__(self, client: KVManagerClient, worker_id: str, first_step_id: int, incarnation: int = 0) -> None:
+        """`incarnation`: nonzero and new at every start of the worker process; 0 says nothing."""
         self.client = client
         self.worker_id = worker_id
+        self.incarnation = incarnation
         self.next_step_id = first_step_id  # the next delta to receive
         self.deltas: collections.deque[pb.StepDelta] = collections.deque()
         self.error: FollowerError | None = None
@@ -96,7 +100,7 @@ class StepFollower:
             with self.changed:
                 if self.closed:
                     return
-                self.stream = stream = self.client.watch_steps(self.worker_id, self.next_step_id)
+                self.stream = stream = self.client.watch_steps(self.worker_id, self.next_step_id, self.incarnation)
             try:
                 for delta in stream:
                     with self.changed:

@@ -14,6 +14,7 @@ against the service handles errors the same way.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from kv_manager_service.core.ops import (
     ForkResult,
     FreeOp,
     FreeResult,
+    KVLossCause,
     Op,
     PendingCopy,
     Stats,
@@ -43,7 +45,7 @@ from kv_manager_service.core.ops import (
 from kv_manager_service.core.hashing import LoraRef, MMFeature
 from kv_manager_service.rpc import convert
 from kv_manager_service.rpc import errors as core_errors
-from kv_manager_service.rpc.errors import IdempotencyKeyReusedError
+from kv_manager_service.rpc.errors import IdempotencyKeyReusedError, KVMissingError
 from kv_manager_service.rpc.security import ClientTLS, client_channel
 from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -63,7 +65,9 @@ __all__ = [
     "ForkResult",
     "FreeOp",
     "FreeResult",
+    "KVLossCause",
     "KVManagerClient",
+    "KVMissingError",
     "LoraRef",
     "MMFeature",
     "Op",
@@ -87,6 +91,7 @@ _ERRORS_BY_REASON = {
         core_errors.ResourceExhaustedError,
         core_errors.OutOfRangeError,
         IdempotencyKeyReusedError,
+        KVMissingError,
     )
 }
 
@@ -248,7 +253,11 @@ class KVManagerClient:
         """
         request = pb.StepRequest(ops=[convert.step_op(op) for op in ops])
         response = self._step(request, idempotency_key, auto_key, retry)
-        return StepResult(response.step_id, tuple(convert.op_result(r) for r in response.results))
+        return StepResult(
+            response.step_id,
+            tuple(convert.op_result(r) for r in response.results),
+            lost_requests=convert.lost_requests_from(response),
+        )
 
     def decode(
         self,
@@ -284,6 +293,11 @@ class KVManagerClient:
     def unregister_worker(self, worker_id: str) -> None:
         """`worker_id` leaves at once (a clean shutdown): the copies only it held are released."""
         self._call(self.stub.UnregisterWorker, pb.UnregisterWorkerRequest(worker_id=worker_id))
+
+    def report_missing_kv(self, request: pb.ReportMissingKVRequest) -> pb.ReportMissingKVResponse:
+        """A worker's report of KV it does not hold (see ReportMissingKVRequest); applying it twice
+        changes nothing more, so a try that ends UNAVAILABLE or DEADLINE_EXCEEDED is repeated."""
+        return self._read(self.stub.ReportMissingKV, request)
 
     def reset_prefix_cache(self) -> bool:
         return self._call(self.stub.ResetPrefixCache, pb.ResetPrefixCacheRequest()).ok
@@ -338,9 +352,13 @@ class KVManagerClient:
 
     # -- streams -------------------------------------------------------------------
 
-    def watch_steps(self, worker_id: str, from_step_id: int = 0) -> Iterator[pb.StepDelta]:
-        """Step deltas from `from_step_id` on; cancel with `.cancel()` on the returned iterator."""
-        return self.stub.WatchSteps(pb.WatchStepsRequest(worker_id=worker_id, from_step_id=from_step_id))
+    def watch_steps(self, worker_id: str, from_step_id: int = 0, incarnation: int = 0) -> Iterator[pb.StepDelta]:
+        """Step deltas from `from_step_id` on; cancel with `.cancel()` on the returned iterator.
+
+        `incarnation`: new at every start of the worker process (see WatchStepsRequest).
+        """
+        request = pb.WatchStepsRequest(worker_id=worker_id, from_step_id=from_step_id, incarnation=incarnation)
+        return self.stub.WatchSteps(request)
 
     def watch_events(self, from_sequence: int = 0) -> Iterator[pb.KVEvent]:
         """Events one per message: WatchEvents is deprecated (each event costs the server a message per
@@ -400,5 +418,8 @@ def _typed_error(error: grpc.RpcError) -> Exception:
     """The core's typed error for a caller mistake; the RpcError itself otherwise."""
     info = error_info(error) if isinstance(error, grpc.Call) else None
     if info is not None and info.domain == ERROR_DOMAIN and info.reason in _ERRORS_BY_REASON:
-        return _ERRORS_BY_REASON[info.reason](error.details(), info.metadata.get("field") or None)
+        field = info.metadata.get("field") or None
+        if info.reason == KVMissingError.reason:
+            return KVMissingError(error.details(), json.loads(info.metadata.get("request_ids") or "[]"), field)
+        return _ERRORS_BY_REASON[info.reason](error.details(), field)
     return error

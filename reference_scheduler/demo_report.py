@@ -101,6 +101,7 @@ class Report:
     execute_ms_p50: float
     execute_ms_p99: float
     num_preemptions: int
+    num_kv_lost: int  # running requests recomputed because their KV was lost (docs/cache-validity.md)
     paged_real_token_share: float  # of the reserved KV slots, over the run
     own_max_real_token_share: float
     contiguous_real_token_share: float
@@ -151,6 +152,7 @@ REPORT_UNITS: dict[str, str | dict[str, str]] = {
     "execute_ms_p50": "ms",
     "execute_ms_p99": "ms",
     "num_preemptions": "preemptions",
+    "num_kv_lost": "requests",
     "paged_real_token_share": _FRACTION_OF_SLOTS + " (paged, the blocks they hold)",
     "own_max_real_token_share": _FRACTION_OF_SLOTS + " (contiguous, each request's prompt + output limit)",
     "contiguous_real_token_share": _FRACTION_OF_SLOTS + " (contiguous, max_model_len or more each)",
@@ -203,6 +205,7 @@ def build_report(
         execute_ms_p50=_percentile(executed, 50),
         execute_ms_p99=_percentile(executed, 99),
         num_preemptions=sum(replica.scheduler.num_preemptions for replica in replicas),
+        num_kv_lost=sum(replica.scheduler.counters.num_kv_lost for replica in replicas),
         paged_real_token_share=real / max(1, sum(s.paged_slots for s in samples)),
         own_max_real_token_share=real / max(1, sum(s.own_max_slots for s in samples)),
         contiguous_real_token_share=real / max(1, sum(s.contiguous_slots for s in samples)),
@@ -268,6 +271,7 @@ def print_report(report: Report) -> None:
         ("Step RPC latency p50 / p99", f"{report.step_ms_p50:.2f} / {report.step_ms_p99:.2f} ms"),
         ("Execute latency p50 / p99", f"{report.execute_ms_p50:.1f} / {report.execute_ms_p99:.1f} ms"),
         ("preemptions", f"{report.num_preemptions}"),
+        ("requests recomputed, their KV lost", f"{report.num_kv_lost}"),
         ("reserved KV holding real tokens", ""),
         ("  paged (16-token blocks)", f"{report.paged_real_token_share:.1%}"),
         ("  contiguous, each request's own max length", f"{report.own_max_real_token_share:.1%}"),

@@ -52,5 +52,10 @@ class Worker(Protocol):
     """A model worker as the loop uses it; `WorkerClient` is one."""
 
     def execute(self, step_id: int, requests: Sequence[Scheduled]) -> ExecuteResult:
-        """Compute `requests` in step `step_id` (after its block copies) and sample one token for each, in order."""
+        """Compute `requests` in step `step_id` (after its block copies) and sample one token for each, in order.
+
+        Raises `KVMissingError` if it does not hold the KV some of them
+        would read: it computed nothing, and accepts the same step again without
+        the requests the error names.
+        """
         ...

@@ -20,15 +20,22 @@ One iteration, within a token budget (vLLM's max_num_batched_tokens):
 3. An op of a running request that gets NO_SPACE (nothing changed) preempts
    the newest running request: it is freed with the next step and goes back
    to the front of the waiting queue, to be recomputed (with the prefix
-   cache's help) under a new manager request id. A refused admission simply
-   waits. On a pool of its own (not `SchedulerConfig.shared_pool`), a request
-   refused while it runs alone keeps its blocks and retries in the next
-   step; refused again in a step that freed nothing, or refused admission to
-   an idle pool, it can never fit: `RequestTooLargeError`.
+   cache's help) under a new manager request id. A running request whose KV
+   is lost (its op gets KV_LOST, or the Step lists it in `lost_requests`) is
+   preempted the same way itself, and stands in for one NO_SPACE victim. A
+   refused admission simply waits. On a pool of its own (not
+   `SchedulerConfig.shared_pool`), a request refused while it runs alone
+   keeps its blocks and retries in the next step; refused again in a step
+   that freed nothing, or refused admission to an idle pool, it can never
+   fit: `RequestTooLargeError`.
 4. Every op the manager accepted is executed, so every block the manager
-   counts as computed really holds its K/V. A request samples a token when
-   all its known tokens are computed; finished requests are freed with the
-   next step.
+   counts as computed really holds its K/V. The exception, a request lost
+   in this step, has its op dropped and is freed saying how many of its
+   tokens were computed (`FreeOp.num_computed_tokens`). A worker that
+   refuses the batch with `KVMissingError` computed none of it: the
+   requests it names are lost too, and the rest is executed again under the
+   same step id. A request samples a token when all its known tokens are
+   computed; finished requests are freed with the next step.
 
 Every answer is checked against the scheduler's own view (where an op's
 tokens start, how many were scheduled); a disagreement raises
@@ -51,12 +58,13 @@ import logging
 import time
 from typing import Sequence
 
-from kv_manager_service.client import AllocateOp, AllocateResult, AllocateStatus, FreeOp, Op
-from reference_scheduler.interfaces import Manager, Scheduled, Worker
+from kv_manager_service.client import AllocateOp, AllocateResult, AllocateStatus, FreeOp, KVMissingError, Op
+from reference_scheduler.interfaces import ExecuteResult, Manager, Scheduled, Worker
 
 log = logging.getLogger("reference_scheduler")
 
 OK = AllocateStatus.OK
+KV_LOST = AllocateStatus.KV_LOST
 
 
 class SchedulerError(RuntimeError):
@@ -149,7 +157,8 @@ class StepTiming:
     execute_ms: float  # the worker's Execute round trip (0 when nothing ran)
     forward_ms: float  # model time inside Execute
     num_copies: int  # copy-on-write block copies the step asked for
-    num_preemptions: int
+    num_preemptions: int  # of the newest running requests, for NO_SPACE
+    num_kv_lost: int = 0  # running requests preempted because their KV was lost
 
 
 @dataclasses.dataclass
@@ -162,7 +171,8 @@ class SchedulerCounters:
     num_cached_tokens: int = 0  # of those, prefix-cache hits
     num_refused_admissions: int = 0  # NO_SPACE
     num_refused_running: int = 0  # NO_SPACE for ops of running requests
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # for NO_SPACE
+    num_kv_lost: int = 0  # preemptions of requests whose KV was lost
 
 
 class ReferenceScheduler:
@@ -175,7 +185,9 @@ class ReferenceScheduler:
         self.sequences: dict[str, Request] = {}  # every request added and not yet discarded
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # oldest first
-        self.to_free: list[str] = []  # manager ids, freed by the next step
+        # Freed by the next step: manager id -> None, or how many of its tokens were computed
+        # when that is fewer than the manager counts (tokens scheduled and not executed).
+        self.to_free: dict[str, int | None] = {}
         self.timings: list[StepTiming] = []
         self.counters = SchedulerCounters()
         self.running_refused = False  # a running request got NO_SPACE in the last step
@@ -226,7 +238,7 @@ class ReferenceScheduler:
         if request.running:
             self.running.remove(request)
             request.running = False
-            self.to_free.append(request.manager_id)
+            self.to_free[request.manager_id] = None
         elif request in self.waiting:
             self.waiting.remove(request)
         else:
@@ -252,9 +264,8 @@ class ReferenceScheduler:
         if not self.has_work:
             self.flush()
             return []
-        ops: list[Op] = [FreeOp(self.to_free)] if self.to_free else []
+        ops = self._take_free_ops()
         num_frees = len(ops)
-        self.to_free = []
         num_running, admissions = self._plan(ops)
         if not ops:
             return []
@@ -263,18 +274,27 @@ class ReferenceScheduler:
         step = self.manager.step(ops, auto_key=self.config.keyed_steps)
         step_ms = (time.perf_counter() - started) * 1e3
 
-        executing, batch, num_preempt = self._accept(
+        executing, batch, num_preempt, lost = self._accept(
             ops[num_frees:], step.results[num_frees:], num_running, admissions, freed=bool(num_frees)
         )
+        lost.update((request_id, cause.name) for request_id, cause in step.lost_requests)
+        num_kv_lost = 0
+        if lost:
+            # Each one's free gives blocks back, as preempting the newest would.
+            executing, batch, num_kv_lost = self._preempt_lost(executing, batch, lost)
+        num_preempt = max(0, num_preempt - num_kv_lost)
         for _ in range(num_preempt):
             self._preempt_newest()
 
         execute_ms = forward_ms = 0.0
         finished = []
+        executed = None
         if batch:
             started = time.perf_counter()
-            executed = self.worker.execute(step.step_id, batch)
+            executing, batch, executed, num_missing = self._execute(step.step_id, executing, batch)
             execute_ms = (time.perf_counter() - started) * 1e3
+            num_kv_lost += num_missing
+        if executed is not None:
             forward_ms = executed.forward_ms
             for request, sent, output in zip(executing, batch, executed.outputs):
                 if output.request_id != sent.request_id:
@@ -289,19 +309,31 @@ class ReferenceScheduler:
                     finished.append(request)
         if finished:
             self.running = [r for r in self.running if r.running]
-            self.to_free.extend(r.manager_id for r in finished)
+            self.to_free.update(dict.fromkeys(r.manager_id for r in finished))
         copies = sum(len(r.copies) for r in step.results if type(r) is AllocateResult)
         self.timings.append(
             StepTiming(step.step_id, len(batch), sum(len(s.token_ids) for s in batch), step_ms, execute_ms,
-                       forward_ms, copies, num_preempt)
+                       forward_ms, copies, num_preempt, num_kv_lost)
         )  # fmt: skip
         return finished
 
     def flush(self) -> None:
         """Free the finished and preempted requests now."""
         if self.to_free:
-            self.manager.step([FreeOp(self.to_free)], auto_key=self.config.keyed_steps)
-            self.to_free = []
+            self.manager.step(self._take_free_ops(), auto_key=self.config.keyed_steps)
+
+    def _take_free_ops(self) -> list[Op]:
+        """The FreeOps of `to_free`, which it empties: one for the requests whose every scheduled token was
+        executed, one that says how many were computed for the others."""
+        to_free = self.to_free
+        self.to_free = {}
+        ops: list[Op] = []
+        if None in to_free.values():
+            ops.append(FreeOp([manager_id for manager_id, count in to_free.items() if count is None]))
+        uncomputed = {manager_id: count for manager_id, count in to_free.items() if count is not None}
+        if uncomputed:
+            ops.append(FreeOp(list(uncomputed), list(uncomputed.values())))
+        return ops
 
     def run(self) -> None:
         """Step until every request has finished, then free them."""
@@ -346,21 +378,28 @@ class ReferenceScheduler:
         num_running: int,
         admissions: list[Request],
         freed: bool,
-    ) -> tuple[list[Request], list[Scheduled], int]:
+    ) -> tuple[list[Request], list[Scheduled], int, dict[str, str]]:
         """Apply the manager's answers to the planned ops (see `_plan`): admit, advance, count refusals.
 
         Returns the requests to execute, what to execute of each (in the
-        same order), and how many running requests to preempt. Raises
+        same order), how many running requests to preempt, and the running
+        requests whose ops got KV_LOST (manager id -> why). Raises
         RequestTooLargeError for a request that cannot fit even alone
         (unless the pool is shared), SchedulerError on a disagreement.
         """
         counters = self.counters
         executing: list[Request] = []
         batch: list[Scheduled] = []
+        lost: dict[str, str] = {}
         refused_admission: tuple[Request, AllocateOp] | None = None
         refused_running: list[tuple[Request, AllocateOp]] = []
         for request, op, result in zip(itertools.chain(self.running[:num_running], admissions), ops, results):
             admitting = not request.running
+            if result.status is KV_LOST:
+                if admitting:
+                    raise SchedulerError(f"admitting {request.manager_id!r}: the manager answered KV_LOST")
+                lost[request.manager_id] = KV_LOST.name
+                continue
             if result.status is not OK:
                 if admitting:
                     counters.num_refused_admissions += 1
@@ -390,7 +429,7 @@ class ReferenceScheduler:
             batch.append(Scheduled(request.manager_id, computing, start, sampling.temperature, sampling.seed))
         self.running_refused = bool(refused_running)
         if self.config.shared_pool:
-            return executing, batch, len(refused_running)
+            return executing, batch, len(refused_running), lost
         if refused_admission is not None and not self.running and not batch and not freed:
             request, op = refused_admission
             raise RequestTooLargeError(
@@ -412,8 +451,8 @@ class ReferenceScheduler:
                     f"{op.num_new_tokens} more tokens while it ran alone and nothing was left to free: it needs "
                     "more blocks than the pool holds; grow the pool",
                 )
-            return executing, batch, 0
-        return executing, batch, len(refused_running)
+            return executing, batch, 0, lost
+        return executing, batch, len(refused_running), lost
 
     def _admit(self, request: Request, op: AllocateOp, start: int, count: int) -> None:
         """Move a waiting request whose admission the manager accepted (computing `count` tokens from `start`)
@@ -435,14 +474,68 @@ class ReferenceScheduler:
         if not request.num_preemptions and num_tokens == request.num_prompt_tokens:
             request.num_cached_prompt_tokens = start
 
+    def _execute(
+        self, step_id: int, executing: list[Request], batch: list[Scheduled]
+    ) -> tuple[list[Request], list[Scheduled], ExecuteResult | None, int]:
+        """Execute `batch` as step `step_id`. A worker that refuses it with KVMissingError computed none of it:
+        the requests it names are preempted as lost, and the rest is executed again.
+
+        Returns what was executed (of `executing` and `batch`), the worker's
+        answer (None if nothing was left), and the number of lost requests.
+        """
+        num_kv_lost = 0
+        while batch:
+            try:
+                return executing, batch, self.worker.execute(step_id, batch), num_kv_lost
+            except KVMissingError as error:
+                missing = dict.fromkeys(error.request_ids, "KV missing on the worker")
+                if not any(scheduled.request_id in missing for scheduled in batch):
+                    raise SchedulerError(
+                        f"the worker refused step {step_id} for requests it does not hold: {error.request_ids}"
+                    ) from error
+                executing, batch, num_lost = self._preempt_lost(executing, batch, missing)
+                num_kv_lost += num_lost
+        return executing, batch, None, num_kv_lost
+
+    def _preempt_lost(
+        self, executing: list[Request], batch: list[Scheduled], lost: dict[str, str]
+    ) -> tuple[list[Request], list[Scheduled], int]:
+        """Preempt the running requests whose manager ids `lost` names (id -> why), and drop what `batch`
+        holds of them: each is freed saying it computed only the tokens before this step's.
+
+        Ids of no running request are ignored (freed already, or another
+        scheduler's). Returns the rest of `executing` and `batch`, and the
+        number of requests preempted.
+        """
+        victims = [request for request in self.running if request.manager_id in lost]
+        if victims:
+            self.running = [request for request in self.running if request.manager_id not in lost]
+            for victim in reversed(victims):  # the oldest ends up at the front of the queue
+                self._requeue(victim, f"its KV is lost ({lost[victim.manager_id]})")
+            self.counters.num_kv_lost += len(victims)
+        kept_requests: list[Request] = []
+        kept_batch: list[Scheduled] = []
+        for request, scheduled in zip(executing, batch):
+            if scheduled.request_id in lost:
+                # Freed next (a NO_SPACE victim of this step already was), its tokens of this step not computed.
+                self.to_free[scheduled.request_id] = scheduled.start_position
+            else:
+                kept_requests.append(request)
+                kept_batch.append(scheduled)
+        return kept_requests, kept_batch, len(victims)
+
     def _preempt_newest(self) -> None:
-        victim = self.running.pop()
+        self._requeue(self.running.pop(), "no free blocks")
+        self.counters.num_preemptions += 1
+
+    def _requeue(self, victim: Request, why: str) -> None:
+        """Free `victim`, no longer in `running`, with the next step and put it at the front of the queue, to be
+        recomputed under a new manager id."""
         victim.running = False
-        self.to_free.append(victim.manager_id)
+        self.to_free[victim.manager_id] = None
         victim.num_preemptions += 1
         victim.manager_id = manager_id_of(victim.request_id, victim.num_preemptions)
         victim.num_sent = victim.num_computed_tokens = 0
         self.waiting.appendleft(victim)
-        self.counters.num_preemptions += 1
-        log.info("preempted %s: no free blocks; it will be recomputed", victim.request_id,
+        log.info("preempted %s: %s; it will be recomputed", victim.request_id, why,
                  extra={"request_id": victim.request_id, "attempt": victim.num_preemptions})  # fmt: skip

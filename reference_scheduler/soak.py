@@ -38,6 +38,7 @@ from kv_manager_service.client import (
     ForkResult,
     FreeOp,
     FreeResult,
+    KVLossCause,
     KVManagerClient,
     Op,
     StepResult,
@@ -52,6 +53,7 @@ TRACE_PATH = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_
 VOCAB_SIZE = 32000  # TokenExpander's default: sampled tokens come from the same range
 _VOCABULARY = range(VOCAB_SIZE)
 OK = AllocateStatus.OK
+NO_SPACE = AllocateStatus.NO_SPACE
 
 
 class RequestSpec(NamedTuple):
@@ -122,7 +124,8 @@ class SoakCounters:
     num_readmitted: int = 0
     num_finished: int = 0
     num_aborted: int = 0
-    num_preempted: int = 0
+    num_preempted: int = 0  # for NO_SPACE
+    num_kv_lost: int = 0  # running requests preempted because their KV was lost
     num_forks: int = 0
     num_fork_children: int = 0
     num_no_space_admit: int = 0
@@ -201,10 +204,12 @@ class ColumnarManager:
             )
             (columns if is_decode else nested).append(index)
         results: list[AllocateResult | FreeResult | None] = [None] * len(ops)
+        lost_requests: tuple[tuple[str, KVLossCause], ...] = ()
         if nested:
             started = time.monotonic()
             answer = self.client.step([ops[i] for i in nested], auto_key=auto_key)
             self._count(started, answer.step_id, decode=False)
+            lost_requests = answer.lost_requests  # a decode's KV_LOST entries speak for themselves
             for index, result in zip(nested, answer.results):
                 results[index] = result
                 self._track(ops[index], result)
@@ -226,8 +231,8 @@ class ColumnarManager:
                 else:
                     results[index] = AllocateResult(status, num_computed, 0, (), (), step_id)
             counters.num_request_steps += num_ok
-            counters.num_no_space_decode += len(columns) - num_ok
-        return StepResult(self.counters.last_step_id, tuple(results))
+            counters.num_no_space_decode += decoded.statuses.count(NO_SPACE)
+        return StepResult(self.counters.last_step_id, tuple(results), lost_requests=lost_requests)
 
     def fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> ForkResult:
         started = time.monotonic()
@@ -347,6 +352,7 @@ def run_soak(
     counters.num_hit_tokens = loop.num_cached_tokens
     counters.num_no_space_admit = loop.num_refused_admissions
     counters.num_preempted = loop.num_preemptions
+    counters.num_kv_lost = loop.num_kv_lost
     return counters
 
 

@@ -58,20 +58,34 @@ def start_stack(
             directory / "manager.log",
         )
         processes.append(manager)
-        worker = launch(
-            [
-                sys.executable, "-m", "gpu_worker.cli", "--manager", manager.address, "--port", "0",
-                "--device", device, "--dtype", "float32", "--backend", backend, "--model", model, "--seed", str(seed),
-                "--worker-id", "worker-0", *worker_args,
-            ],
-            WORKER_READY_PREFIX,
-            directory / "worker.log",
-        )  # fmt: skip
+        worker = launch_worker(directory / "worker.log", manager.address, model, backend, seed, worker_args, device)
         processes.append(worker)
     except BaseException:
         stop_all(processes)
         raise
     return Stack(manager, worker, KVManagerClient(manager.address), WorkerClient(worker.address)), processes
+
+
+def launch_worker(
+    log_path: Path,
+    manager_address: str,
+    model: str,
+    backend: str,
+    seed: int = 0,
+    worker_args: Sequence[str] = (),
+    device: str = "cpu",
+    worker_id: str = "worker-0",
+) -> LaunchedProcess:
+    """A `gpu-worker` process following the manager at `manager_address`, as a user starts one."""
+    return launch(
+        [
+            sys.executable, "-m", "gpu_worker.cli", "--manager", manager_address, "--port", "0",
+            "--device", device, "--dtype", "float32", "--backend", backend, "--model", model, "--seed", str(seed),
+            "--worker-id", worker_id, *worker_args,
+        ],
+        WORKER_READY_PREFIX,
+        log_path,
+    )  # fmt: skip
 
 
 def stop_stack(stack: Stack, processes: list[LaunchedProcess]) -> list[str]:

@@ -146,19 +146,42 @@ class BlockPool:
             self.events.append(AllBlocksCleared())
         return True
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Take the hashed ones of `blocks` out of the prefix cache, as if never cached; returns how many.
+
+        Unlike an eviction nothing is offered to the host tier (their KV is not
+        what the hash names) and no eviction is counted. Each stays where it
+        is, held or free: a free one is simply reused sooner or later. One
+        BlockRemoved per group.
+        """
+        removed: dict[int, list[BlockHash]] = {}
+        for block in blocks:
+            if block.block_hash is not None:
+                removed.setdefault(block.group_id, []).append(block.block_hash)
+                self._unindex(block)
+        if removed and self.enable_events:
+            self.events += [BlockRemoved(group_id, tuple(hashes)) for group_id, hashes in removed.items()]
+        return sum(len(hashes) for hashes in removed.values())
+
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events
 
     def _evict(self, block: KVCacheBlock) -> None:
-        block_hash, group_id = block.block_hash, block.group_id
-        cached = self.cached[group_id]
+        # When this is the hash's last device block, the hash leaves the device: write it back to the
+        # host tier (reads the hash, so first; its HOST events precede the DEVICE BlockRemoved, see
+        # core/events.py).
+        if self.host_tier is not None and type(self.cached[block.group_id][block.block_hash]) is KVCacheBlock:
+            self.host_tier.offload(block, self.events if self.enable_events else None)
+        self._unindex(block)
+        self.num_evictions += 1
+
+    def _unindex(self, block: KVCacheBlock) -> None:
+        """Take the hashed `block` out of its group's map; it loses its hash."""
+        block_hash = block.block_hash
+        cached = self.cached[block.group_id]
         entry = cached[block_hash]
         if isinstance(entry, KVCacheBlock):
-            # The hash leaves the device: write it back to the host tier (reads the hash, so
-            # first; its HOST events precede the DEVICE BlockRemoved, see core/events.py).
-            if self.host_tier is not None:
-                self.host_tier.offload(block, self.events if self.enable_events else None)
             del cached[block_hash]
         else:
             del entry[block.block_id]
@@ -166,4 +189,3 @@ class BlockPool:
                 cached[block_hash] = next(iter(entry.values()))
         block.block_hash = None
         block.group_id = -1
-        self.num_evictions += 1

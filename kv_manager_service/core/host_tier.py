@@ -56,6 +56,7 @@ is the pool's AllBlocksCleared, which covers both tiers.
 from __future__ import annotations
 
 from collections import deque
+from typing import Iterable
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.events import BlockRemoved, BlockStored, KVEvent, Tier
@@ -207,6 +208,22 @@ class HostTier:
             block.group_id = -1
         for cached in self.cached:
             cached.clear()
+
+    def uncache(self, host_blocks: Iterable[HostBlock], events: list[KVEvent] | None = None) -> int:
+        """Take the hashed ones of `host_blocks` out of the host index (their KV is not what the hash
+        names); returns how many. Pinned ones stay pinned until acknowledged. With `events`, one HOST
+        BlockRemoved per group is appended to it."""
+        removed: dict[int, list[BlockHash]] = {}
+        for host_block in host_blocks:
+            if host_block.block_hash is None:
+                continue
+            removed.setdefault(host_block.group_id, []).append(host_block.block_hash)
+            del self.cached[host_block.group_id][host_block.block_hash]
+            host_block.block_hash = None
+            host_block.group_id = -1
+        if events is not None:
+            events += [BlockRemoved(group_id, tuple(hashes), Tier.HOST) for group_id, hashes in removed.items()]
+        return sum(len(hashes) for hashes in removed.values())
 
     # -- internals --------------------------------------------------------------------
 

@@ -17,11 +17,13 @@ def check_invariants(manager: "KVCacheManager") -> None:
     retentions; b is in the free queue iff ref_cnt == 0; a hashed block is in
     its group's map, full, and named by the chain hash of every request
     holding it at that index. free + used == num_blocks - 1. The null block
-    is never free nor cached. O(pool + tables): for tests.
+    is never free nor cached. Every lost request is live. O(pool + tables): for tests.
     """
     pool = manager.pool
     null = pool.null_block
     holders = [0] * pool.num_blocks
+    stale = [request_id for request_id in manager.lost if request_id not in manager.requests]
+    assert not stale, f"lost requests {stale} are not live"
     for request in manager.requests.values():
         assert 0 <= request.num_computed_tokens <= request.num_tokens, (
             f"{request.request_id}: computed {request.num_computed_tokens} > tokens {request.num_tokens}"

@@ -47,6 +47,8 @@ from kv_manager_service.core.ops import (
     FreeResult,
     GroupAllocation,
     HostTierStats,
+    Invalidation,
+    KVLossCause,
     Op,
     OpResult,
     PendingCopy,
@@ -56,6 +58,7 @@ from kv_manager_service.core.ops import (
     StepDelta,
     StepResult,
 )
+from kv_manager_service.core.invalidation import KVLosses, invalidate_all, invalidate_blocks, uncache_past
 from kv_manager_service.core.invariants import check_invariants
 from kv_manager_service.core.request import RequestState
 from kv_manager_service.core.state import CoreState, export_state, restore_state
@@ -103,6 +106,9 @@ class KVCacheManager:
         )
         # Free blocks the running step must leave in the free queue (its block budget); 0 between steps.
         self._reserve = 0
+        # Live requests whose KV the workers do not hold, and why (see invalidation.py); empty almost always.
+        self.lost: dict[str, KVLossCause] = {}
+        self.kv_losses = KVLosses()
 
     # -- the scheduler's calls ---------------------------------------------------
 
@@ -182,19 +188,28 @@ class KVCacheManager:
                     if request is None:
                         result = self._admit(op, step_id)
                         if result.status is ok:
-                            rows_added.append(self.block_table(request_id))
+                            table = self.block_table(request_id)
+                            rows_added.append(table._replace(num_hit_tokens=result.num_computed_tokens))
+                    elif self.lost and request_id in self.lost:
+                        result = AllocateResult(
+                            AllocateStatus.KV_LOST, request.num_computed_tokens, 0, self._no_groups, (), step_id
+                        )
                     else:
                         result = self._continue_into_delta(request, op, step_id, blocks_appended, copies)
                     if host_tier is not None:
                         result = self._with_tier_copies(result, num_offloads, num_onloads)
                     results.append(result)
                 elif type(op) is FreeOp:
+                    for request_id, num_computed in zip(op.request_ids, op.num_computed_tokens):
+                        uncache_past(self, self.requests[request_id], num_computed)
                     results.append(FreeResult(self._free(op.request_ids), step_id))
                     requests_freed += op.request_ids
                 else:
                     self._fork(op.parent_request_id, op.child_request_ids)
                     results.append(ForkResult(step_id))
-                    rows_added += [self.block_table(child_id) for child_id in op.child_request_ids]
+                    for child_id in op.child_request_ids:
+                        table = self.block_table(child_id)
+                        rows_added.append(table._replace(num_hit_tokens=table.num_computed_tokens))
             if decode is not None:
                 decode_results = self._decode(decode, step_id, blocks_appended, copies)
         finally:
@@ -203,7 +218,8 @@ class KVCacheManager:
         if host_tier is not None:
             offloads, onloads = host_tier.take_step_copies()
             delta = delta._replace(offloads=offloads, onloads=onloads)
-        return StepResult(step_id, tuple(results), delta, decode_results)
+        lost = self.lost_requests() if self.lost else ()
+        return StepResult(step_id, tuple(results), delta, decode_results, lost)
 
     def _with_tier_copies(self, result: AllocateResult, num_offloads: int, num_onloads: int) -> AllocateResult:
         """`result` with the tier copies its op queued: those past the given counts of the step's lists."""
@@ -241,6 +257,28 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.host_tier.release(step_id)
         return num_released
+
+    # -- rollback: KV the workers do not hold (see invalidation.py) -------------------
+
+    def invalidate_blocks(
+        self,
+        device_block_ids: Sequence[int],
+        host_block_ids: Sequence[int],
+        request_ids: Sequence[str],
+        cause: KVLossCause,
+    ) -> Invalidation:
+        """A worker does not hold these blocks filled, nor these requests' KV: un-cache, and lose
+        every live request that would read them. Bad block ids change nothing (InvalidArgumentError)."""
+        return invalidate_blocks(self, device_block_ids, host_block_ids, request_ids, cause)
+
+    def invalidate_all(self, cause: KVLossCause) -> Invalidation:
+        """No worker memory holds anything: empty the cache on both tiers; every request with KV is lost."""
+        return invalidate_all(self, cause)
+
+    def lost_requests(self) -> tuple[tuple[str, KVLossCause], ...]:
+        """The live requests whose KV is lost, and why, oldest first."""
+        lost = self.lost
+        return tuple((request_id, lost[request_id]) for request_id in self.requests if request_id in lost)
 
     # -- queries -----------------------------------------------------------------
 
@@ -367,6 +405,7 @@ class KVCacheManager:
             prefix_cache_hits=self.prefix_cache_hits,
             num_evictions=self.pool.num_evictions,
             num_pending_copies=len(self._pending_copies),
+            kv_losses=self.kv_losses.counts(),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -686,9 +725,14 @@ class KVCacheManager:
         in_place_layout = self._in_place_layout
         hashes_tokens = self.enable_caching
         hash_block_size = self.hash_block_size
+        lost = self.lost
         for index, (request_id, token_id) in enumerate(zip(batch.request_ids, batch.token_ids)):
             request = requests[request_id]
             num_computed = request.num_computed_tokens
+            if lost and request_id in lost:
+                statuses.append(AllocateStatus.KV_LOST)
+                num_computed_tokens.append(num_computed)
+                continue
             growing = None if in_place_layout is None else self._groups_to_grow(request.tables, num_computed)
             if growing is not None and len(growing) <= free_queue.num_free_blocks - self._reserve:
                 request.num_tokens += 1
@@ -752,8 +796,11 @@ class KVCacheManager:
     def _free(self, request_ids: Sequence[str]) -> int:
         """Free requests in order; each group's table last-to-first as one batch."""
         num_freed = 0
+        lost = self.lost
         for request_id in request_ids:
             request = self.requests.pop(request_id)
+            if lost:
+                lost.pop(request_id, None)
             for table in request.tables:
                 num_freed += self.pool.free_blocks(reversed(table))
         return num_freed
@@ -767,6 +814,8 @@ class KVCacheManager:
                     if not block.is_null:
                         block.ref_cnt += 1
             self.requests[child_id] = child
+            if parent_request_id in self.lost:
+                self.lost[child_id] = self.lost[parent_request_id]  # it shares the missing KV
 
     # -- snapshots -----------------------------------------------------------------
 

@@ -12,6 +12,34 @@ class AllocateStatus(enum.IntEnum):
     # Values match the wire enum `AllocateStatus` (0 is UNSPECIFIED there).
     OK = 1
     NO_SPACE = 2
+    KV_LOST = 3  # the request's KV is gone (see KVLossCause): nothing changed; free it and admit it again
+
+
+class KVLossCause(enum.IntEnum):
+    """Why KV the manager counted as computed is not in the workers' memory (wire enum `KVLossCause`)."""
+
+    WORKER_RESTARTED = 1  # a known worker came back with a new incarnation: empty memory
+    WORKER_JOINED = 2  # a worker the manager did not know: empty memory
+    STEP_REFUSED = 3  # a worker refused an Execute: its tokens were not computed
+    KV_MISSING = 4  # a worker found blocks it never filled before reading them
+    NOT_COMPUTED = 5  # a scheduler said so when freeing (FreeOp.num_computed_tokens)
+
+
+class KVLossCount(NamedTuple):
+    """What one cause has invalidated since the start."""
+
+    cause: KVLossCause
+    num_uncached_blocks: int  # device blocks that left the prefix cache
+    num_uncached_host_blocks: int
+    num_lost_requests: int
+
+
+class Invalidation(NamedTuple):
+    """What one invalidation did: blocks that left the prefix cache, and the live requests newly lost."""
+
+    num_uncached_blocks: int
+    num_uncached_host_blocks: int
+    lost_request_ids: tuple[str, ...]
 
 
 class BlockCopy(NamedTuple):
@@ -54,7 +82,15 @@ class AllocateOp(NamedTuple):
 
 
 class FreeOp(NamedTuple):
+    """Free requests, in order.
+
+    `num_computed_tokens`: empty, or one per request id, how many of its
+    tokens really had their KV computed; the blocks past that leave the
+    prefix cache first, and the live requests holding them lose their KV.
+    """
+
     request_ids: Sequence[str]
+    num_computed_tokens: Sequence[int] = ()
 
 
 class ForkOp(NamedTuple):
@@ -153,6 +189,9 @@ class BlockTable(NamedTuple):
     request_id: str
     num_computed_tokens: int
     block_ids: tuple[tuple[int, ...], ...]  # per group
+    # In a delta's rows_added: the leading tokens whose KV the blocks held before
+    # the step (a prefix hit, or a fork child's parent's tokens); later blocks are new.
+    num_hit_tokens: int = 0
 
 
 class BlockAppend(NamedTuple):
@@ -195,6 +234,8 @@ class StepResult(NamedTuple):
     results: tuple[OpResult, ...]
     delta: StepDelta | None = None
     decode: DecodeResults | None = None
+    # Live requests whose KV is lost, oldest first, until they are freed (see KVLossCause).
+    lost_requests: tuple[tuple[str, KVLossCause], ...] = ()
 
 
 class PrefixLookupKeys(NamedTuple):
@@ -244,3 +285,4 @@ class Stats(NamedTuple):
     prefix_cache_hits: int  # tokens
     num_evictions: int
     num_pending_copies: int
+    kv_losses: tuple[KVLossCount, ...] = ()  # by cause, the causes that invalidated anything

@@ -17,7 +17,7 @@ from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
 from kv_manager_service.core.host_tier import HostTier
 from kv_manager_service.core.invariants import check_invariants
-from kv_manager_service.core.ops import TierCopy
+from kv_manager_service.core.ops import KVLossCause, KVLossCount, TierCopy
 from kv_manager_service.core.request import RequestState
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ class RequestSnapshot:
     tail_token_ids: tuple[int, ...]
     block_ids: tuple[tuple[int, ...], ...]
     num_cached_blocks: tuple[int, ...]
+    lost_cause: KVLossCause | None = None  # None: its KV is not lost
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class CoreState:
     prefix_cache_hits: int
     num_evictions: int
     host_tier: HostTierState | None = None
+    kv_losses: tuple[KVLossCount, ...] = ()
 
 
 def export_state(manager: KVCacheManager) -> CoreState:
@@ -104,6 +106,7 @@ def export_state(manager: KVCacheManager) -> CoreState:
             tuple(r.tail_token_ids),
             tuple(tuple([b.block_id for b in table]) for table in r.tables),
             tuple(r.num_cached_blocks),
+            manager.lost.get(r.request_id),
         )
         for r in manager.requests.values()
     )
@@ -117,6 +120,7 @@ def export_state(manager: KVCacheManager) -> CoreState:
         manager.prefix_cache_hits,
         pool.num_evictions,
         _export_host_tier(manager.host_tier) if manager.host_tier is not None else None,
+        manager.kv_losses.counts(),
     )
 
 
@@ -186,6 +190,9 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
             tables,
             list(r.num_cached_blocks),
         )
+        if r.lost_cause is not None:
+            manager.lost[r.request_id] = r.lost_cause
+    manager.kv_losses.restore(state.kv_losses)
     retained = manager._retained
     for step_id, src_id, dst_id in state.pending_copies:
         src, dst = block(src_id), block(dst_id)

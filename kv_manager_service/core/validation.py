@@ -53,6 +53,8 @@ class StepValidator:
                         raise InvalidArgumentError("free needs at least one request id", "request_ids")
                     for request_id in op.request_ids:
                         self.get(request_id, "request_ids")
+                    if op.num_computed_tokens:
+                        self._validate_computed_counts(op)
                     named_ids = ((request_id, "request_ids") for request_id in op.request_ids)
                     num_live -= len(set(op.request_ids))
                 elif kind is ForkOp:
@@ -82,6 +84,24 @@ class StepValidator:
             self._validate_decode(decode, len(ops), seen)
         if over_limit is not None:  # reported after every op's own mistakes
             raise over_limit
+
+    def _validate_computed_counts(self, op: FreeOp) -> None:
+        """A free's `num_computed_tokens`: one per request id, none past what the request has scheduled."""
+        counts = op.num_computed_tokens
+        if len(counts) != len(op.request_ids):
+            raise InvalidArgumentError(
+                f"free has {len(op.request_ids)} request_ids but {len(counts)} num_computed_tokens; "
+                "give none, or one per request id",
+                "num_computed_tokens",
+            )
+        for request_id, count in zip(op.request_ids, counts):
+            scheduled = self.requests[request_id].num_computed_tokens
+            if not isinstance(count, int) or not 0 <= count <= scheduled:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: num_computed_tokens {count!r} must be an integer in 0..{scheduled} "
+                    "(the tokens it has been scheduled)",
+                    "num_computed_tokens",
+                )
 
     def _validate_decode(self, batch: DecodeBatch, first_index: int, seen: set[str]) -> None:
         """Checks a decode batch as the allocate ops it stands for, entry i located at op `first_index` + i.

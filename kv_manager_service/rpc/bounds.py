@@ -34,6 +34,7 @@ MAX_NAME_CHARS = 512  # a cache salt, a LoRA name, a multimodal item's identifie
 MAX_PATH_CHARS = 1024  # a LoRA path
 MAX_IDS_PER_LIST = 1 << 16  # request ids in one list, requests in one Execute
 MAX_MM_FEATURES = 4096  # multimodal items of one prompt
+MAX_BLOCK_IDS_PER_LIST = 1 << 22  # block ids in one report: more than any pool a worker holds today
 
 
 class Configured(NamedTuple):
@@ -67,6 +68,7 @@ LIMITS: dict[str, Bound] = {
     "kvcache.v1.AllocateRequest.mm_features": _MM_FEATURES,
     "kvcache.v1.MMFeature.identifier": _NAME,
     "kvcache.v1.FreeRequest.request_ids": _IDS,
+    "kvcache.v1.FreeRequest.num_computed_tokens": Bound(max_entries=MAX_IDS_PER_LIST),
     "kvcache.v1.ForkRequest.parent_request_id": _ID,
     "kvcache.v1.ForkRequest.child_request_ids": _IDS,
     "kvcache.v1.FindCacheHitRequest.token_ids": _TOKENS,
@@ -83,6 +85,10 @@ LIMITS: dict[str, Bound] = {
     "kvcache.v1.WatchStepsRequest.worker_id": _WORKER_ID,
     "kvcache.v1.AckStepsRequest.worker_id": _WORKER_ID,
     "kvcache.v1.UnregisterWorkerRequest.worker_id": _WORKER_ID,
+    "kvcache.v1.ReportMissingKVRequest.worker_id": _WORKER_ID,
+    "kvcache.v1.ReportMissingKVRequest.device_block_ids": Bound(max_entries=MAX_BLOCK_IDS_PER_LIST),
+    "kvcache.v1.ReportMissingKVRequest.host_block_ids": Bound(max_entries=MAX_BLOCK_IDS_PER_LIST),
+    "kvcache.v1.ReportMissingKVRequest.request_ids": _IDS,
     # WorkerService
     "kvcache.v1.ExecuteRequest.requests": Bound(max_entries=MAX_IDS_PER_LIST),
     "kvcache.v1.ScheduledRequest.request_id": _ID,

@@ -26,7 +26,15 @@ from kv_manager_service.core import (
     StepDelta,
 )
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kv_manager_service.core.ops import DecodeBatch, DecodeResults, Op, OpResult, StepResult
+from kv_manager_service.core.ops import (
+    DecodeBatch,
+    DecodeResults,
+    KVLossCause,
+    KVLossCount,
+    Op,
+    OpResult,
+    StepResult,
+)
 from kvcache.v1 import kv_manager_pb2 as pb
 
 GROUP_KINDS = {
@@ -68,7 +76,7 @@ def allocate_op(message: pb.AllocateRequest) -> AllocateOp:
 
 
 def free_op(message: pb.FreeRequest) -> FreeOp:
-    return FreeOp(list(message.request_ids))
+    return FreeOp(list(message.request_ids), list(message.num_computed_tokens))
 
 
 def fork_op(message: pb.ForkRequest) -> ForkOp:
@@ -136,7 +144,31 @@ def step_response(result: StepResult) -> pb.StepResponse:
     response.results.extend([step_result(r) for r in result.results])
     if result.decode is not None:
         decode_results(result.decode, response.decode)
+    for request_id, cause in result.lost_requests:
+        response.lost_requests.add(request_id=request_id, cause=cause)
     return response
+
+
+def lost_requests_from(response: pb.StepResponse) -> tuple[tuple[str, KVLossCause], ...]:
+    return tuple((lost.request_id, KVLossCause(lost.cause)) for lost in response.lost_requests)
+
+
+def kv_loss_count(count: KVLossCount) -> pb.KVLossCount:
+    return pb.KVLossCount(
+        cause=count.cause,
+        num_uncached_blocks=count.num_uncached_blocks,
+        num_uncached_host_blocks=count.num_uncached_host_blocks,
+        num_lost_requests=count.num_lost_requests,
+    )
+
+
+def kv_loss_count_from(message: pb.KVLossCount) -> KVLossCount:
+    return KVLossCount(
+        KVLossCause(message.cause),
+        message.num_uncached_blocks,
+        message.num_uncached_host_blocks,
+        message.num_lost_requests,
+    )
 
 
 def decode_results(results: DecodeResults, message: pb.DecodeResults) -> None:
@@ -196,6 +228,8 @@ def cache_hit_response(hit: CacheHit) -> pb.FindCacheHitResponse:
 def block_table(table: BlockTable, message: pb.RequestBlockTable) -> pb.RequestBlockTable:
     message.request_id = table.request_id
     message.num_computed_tokens = table.num_computed_tokens
+    if table.num_hit_tokens:
+        message.num_hit_tokens = table.num_hit_tokens
     for group_id, block_ids in enumerate(table.block_ids):
         message.groups.add(group_id=group_id, block_ids=block_ids)
     return message
@@ -292,7 +326,7 @@ def step_op(op: Op) -> pb.StepOp:
     if type(op) is AllocateOp:
         return pb.StepOp(allocate=allocate_request(op))
     if type(op) is FreeOp:
-        return pb.StepOp(free=pb.FreeRequest(request_ids=op.request_ids))
+        return pb.StepOp(free=pb.FreeRequest(request_ids=op.request_ids, num_computed_tokens=op.num_computed_tokens))
     assert type(op) is ForkOp, op
     return pb.StepOp(fork=pb.ForkRequest(parent_request_id=op.parent_request_id, child_request_ids=op.child_request_ids))
 
@@ -344,7 +378,9 @@ def block_table_from(message: pb.RequestBlockTable) -> BlockTable:
 def stats_response(stats: Stats, host_tier: HostTierStats | None = None) -> pb.GetStatsResponse:
     """GetStats' pool figures; with a host tier, its fields 19-25 too (the dropped-offload count is
     a metric only)."""
-    response = pb.GetStatsResponse(**stats._asdict())
+    fields = stats._asdict()
+    kv_losses = [kv_loss_count(count) for count in fields.pop("kv_losses")]
+    response = pb.GetStatsResponse(**fields, kv_losses=kv_losses)
     if host_tier is not None:
         response.num_host_blocks = host_tier.num_host_blocks
         response.num_free_host_blocks = host_tier.num_free_host_blocks
@@ -358,4 +394,5 @@ def stats_response(stats: Stats, host_tier: HostTierStats | None = None) -> pb.G
 
 def stats_from(message: pb.GetStatsResponse) -> Stats:
     # The wire message holds every Stats field under the same name.
-    return Stats(*(getattr(message, name) for name in Stats._fields))
+    stats = Stats(*(getattr(message, name) for name in Stats._fields))
+    return stats._replace(kv_losses=tuple(kv_loss_count_from(count) for count in message.kv_losses))

@@ -49,6 +49,20 @@ class FailedPreconditionError(KVCacheError):
     reason = "FAILED_PRECONDITION"
 
 
+class KVMissingError(FailedPreconditionError):
+    """A worker does not hold KV that requests of an Execute would read, so it computed nothing.
+
+    `request_ids` names them (the worker has told the manager, which counts
+    them as lost): run the others again without them, and admit these again.
+    """
+
+    reason = "KV_MISSING"
+
+    def __init__(self, message: str, request_ids: "list[str]", field: str | None = None) -> None:
+        super().__init__(message, field)
+        self.request_ids = request_ids
+
+
 class ResourceExhaustedError(KVCacheError):
     reason = "RESOURCE_EXHAUSTED"
 

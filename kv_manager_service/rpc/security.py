@@ -32,7 +32,7 @@ valid token, never on how much of a token matched.
 Roles. `tenant` (the default) may schedule: Allocate, Free, Fork, Step,
 FindCacheHit, GetBlockTables of named requests, GetConfig, GetStats.
 `operator` (the serving engine's infrastructure: GPU workers, routers,
-dashboards) may also call WatchSteps, AckSteps, WatchEvents,
+dashboards) may also call WatchSteps, AckSteps, ReportMissingKV, WatchEvents,
 ResetPrefixCache and GetBlockTables of all requests.
 
 The servicer learns who called with `TokenTable.caller(context)`, which reads

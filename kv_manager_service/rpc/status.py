@@ -14,6 +14,8 @@ tail: even percent-encoded it leaves room for the rest.
 
 from __future__ import annotations
 
+import json
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -23,6 +25,7 @@ from kv_manager_service.rpc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,
+    KVMissingError,
     OutOfRangeError,
     PermissionDeniedError,
     RequestExistsError,
@@ -79,12 +82,27 @@ def _status(error: KVCacheError) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN)
     if error.field:
         info.metadata["field"] = error.field
+    if isinstance(error, KVMissingError):
+        info.metadata["request_ids"] = request_ids_metadata(error.request_ids)
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=short_message(str(error)), details=[detail])
     rich = rpc_status.to_status(status)
     metadata = tuple(rich.trailing_metadata) + (("kvcache-reason", error.reason), ("kvcache-field", error.field or ""))
     return _Status(rich.code, rich.details, metadata)
+
+
+def request_ids_metadata(request_ids: list[str]) -> str:
+    """`request_ids` as a JSON array for an ErrorInfo's metadata, the first ones only past
+    MAX_STATUS_MESSAGE_BYTES (a caller that runs the rest again hears of the others then)."""
+    kept: list[str] = []
+    size = 2
+    for request_id in request_ids:
+        size += len(json.dumps(request_id)) + 1
+        if size > MAX_STATUS_MESSAGE_BYTES and kept:
+            break
+        kept.append(request_id)
+    return json.dumps(kept)
 
 
 def short_message(message: str) -> str:

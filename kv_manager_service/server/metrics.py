@@ -59,11 +59,11 @@ families: `PRIVATE_LABELS` names the label that marks them
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kv_manager_service.core import HostTierStats
+from kv_manager_service.core import HostTierStats, KVLossCount
 from kv_manager_service.server.replica import Replica
 
 TENANT_LABEL = "tenant"
@@ -130,9 +130,26 @@ class ManagerCollector:
             figures += _host_tier_figures(host_tier)
         for family, name, documentation, value in figures:
             yield family(name, documentation, value=value)
+        yield from _kv_loss_metrics(stats.kv_losses)
         if self.replica.tenancy is not None:
             yield from _tenant_metrics(self.replica)
         yield from _worker_metrics(self.replica)
+
+
+def _kv_loss_metrics(kv_losses: Sequence[KVLossCount]) -> Iterator[Metric]:
+    """KV found missing from the workers' memory (see core/invalidation.py), labelled by cause."""
+    families = [
+        (CounterMetricFamily("kvcache_kv_loss_uncached_blocks", "Device blocks taken out of the prefix cache "
+                             "because the workers did not hold them.", labels=["cause"]), 1),
+        (CounterMetricFamily("kvcache_kv_loss_uncached_host_blocks", "Host blocks taken out of the prefix cache "
+                             "because the workers did not hold them.", labels=["cause"]), 2),
+        (CounterMetricFamily("kvcache_kv_loss_requests", "Live requests whose KV was lost (to recompute).",
+                             labels=["cause"]), 3),
+    ]  # fmt: skip
+    for family, field in families:
+        for count in kv_losses:
+            family.add_metric([count.cause.name.lower()], count[field])
+        yield family
 
 
 def _host_tier_figures(tier: HostTierStats) -> list[tuple[type, str, str, float]]:

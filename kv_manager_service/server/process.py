@@ -48,7 +48,15 @@ SERVICE_NAME = SERVICE.full_name
 # Calls for the operator role only (workers, routers, dashboards), when tokens are on.
 OPERATOR_METHODS = frozenset(
     f"/{SERVICE_NAME}/{name}"
-    for name in ("WatchSteps", "AckSteps", "UnregisterWorker", "WatchEvents", "WatchEventBatches", "ResetPrefixCache")
+    for name in (
+        "WatchSteps",
+        "AckSteps",
+        "ReportMissingKV",
+        "UnregisterWorker",
+        "WatchEvents",
+        "WatchEventBatches",
+        "ResetPrefixCache",
+    )
 )
 REDIS_CLUSTER_MODES = ("auto", "yes", "no")  # mirror.connect.CLUSTER_MODES, named here without importing redis
 REDIS_WRITERS = ("thread", "process")  # --redis-writer

@@ -23,6 +23,11 @@ before the lock is released:
   expired (`expire_workers`), or it unregisters; dropping the last worker
   releases every pending copy, since no one is left to perform them;
   after a restart, the journal's workers get a fresh lease;
+- a worker with empty memory (a new id, or a known one with a new
+  incarnation) empties the prefix cache as it registers, and a worker's
+  report of missing KV un-caches what it names (core/invalidation.py): both
+  are journaled and replayed like Steps, so a restart loses nothing of what
+  was lost and why;
 - a keyed Step is applied once: the key's lookup, the step and remembering
   its response happen under the lock together, so replaying the journal's
   Steps in order rebuilds the key memory;
@@ -63,10 +68,16 @@ from kv_manager_service.core import (
     StepResult,
 )
 from kv_manager_service.core.events import KVEvent
-from kv_manager_service.core.ops import DecodeBatch, Op
+from kv_manager_service.core.ops import DecodeBatch, Invalidation, KVLossCause, Op
 from kv_manager_service.mirror.schema import Lease
 from kv_manager_service.rpc import convert
-from kv_manager_service.rpc.errors import InvalidArgumentError, OutOfRangeError, ShuttingDownError
+from kv_manager_service.rpc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OutOfRangeError,
+    ShuttingDownError,
+)
+from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
 from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
 from kv_manager_service.server.journal import Journal
@@ -124,6 +135,9 @@ def logged_event_bytes(entry: tuple[int, KVEvent]) -> int:
     hashes = getattr(event, "block_hashes", ())
     return 256 + (len(hashes) + 1) * (len(hashes[0]) + 40 if hashes else 0)
 
+
+# The causes a worker may report (the others the manager finds itself, or a scheduler says).
+_REPORTED_CAUSES = (KVLossCause.STEP_REFUSED, KVLossCause.KV_MISSING)
 
 # A consistent view of the pool for the mirror: its device tier's cached (group, hash)
 # counts, its host tier's (group, hash) keys, and the sequence of the last event they include.
@@ -271,14 +285,17 @@ class Replica:
             self.step_keys.put(key, fingerprint, response.SerializeToString())
         return response
 
-    def open_worker_stream(self, worker_id: str, from_step_id: int) -> int:
+    def open_worker_stream(self, worker_id: str, from_step_id: int, incarnation: int = 0) -> int:
         """A worker follows the step log from `from_step_id` (0: all that is retained); returns the first step id.
 
         The worker is registered (taken to have done every step before the
         first; registering again changes nothing) and cannot expire until
         `close_worker_stream` is called once for each call of this; its lease
-        runs from then. Raises OutOfRangeError for a step in the future or no
-        longer retained (nothing is registered then).
+        runs from then. A worker with empty memory (a new id, or a known one
+        with a new `incarnation`: see `WorkerRegistry.memory_loss`) first
+        empties the prefix cache, and every live request with KV is lost: the
+        workers of one pool must all hold all of it. Raises OutOfRangeError for
+        a step in the future or no longer retained (nothing is registered then).
         """
         if not worker_id:
             raise InvalidArgumentError("worker_id must not be empty", "worker_id")
@@ -289,12 +306,79 @@ class Replica:
                     f"from_step_id {first} is in the future (last step is {self.steps.last_id})", "from_step_id"
                 )
             check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
-            if self.workers.register(worker_id, first - 1, time.monotonic()):
-                registered = pb.WatchStepsRequest(worker_id=worker_id, from_step_id=first - 1)
+            registered = pb.WatchStepsRequest(worker_id=worker_id, from_step_id=first - 1, incarnation=incarnation)
+            if self._register(registered, replaying=False):
                 self._journal(journal_pb2.JournalRecord(register_worker=registered))
-                log.info("worker %s registered at step %d", worker_id, first - 1, extra={"worker_id": worker_id})
             self.workers.open_stream(worker_id, time.monotonic())
         return first
+
+    def _register(self, request: pb.WatchStepsRequest, replaying: bool) -> bool:
+        """Register a worker (see `open_worker_stream`); returns whether anything changed (to journal).
+        Holds the lock."""
+        worker_id, incarnation = request.worker_id, request.incarnation
+        cause = self.workers.memory_loss(worker_id, incarnation)
+        if cause is None:
+            self.workers.register(worker_id, request.from_step_id, time.monotonic(), incarnation)
+            return False
+        invalidation = self.manager.invalidate_all(cause)
+        self.workers.register(worker_id, request.from_step_id, time.monotonic(), incarnation)
+        self._publish_events()
+        if not replaying:
+            log.info(
+                "worker %s registered at step %d, incarnation %d (%s): %d cached blocks and %d host blocks dropped, "
+                "%d requests lost their KV", worker_id, request.from_step_id, incarnation,
+                "joined" if cause is KVLossCause.WORKER_JOINED else "restarted", invalidation.num_uncached_blocks,
+                invalidation.num_uncached_host_blocks, len(invalidation.lost_request_ids),
+                extra={"worker_id": worker_id, "incarnation": incarnation, "cause": cause.name},
+            )  # fmt: skip
+        return True
+
+    def report_missing_kv(self, request: pb.ReportMissingKVRequest) -> Invalidation:
+        """A registered worker does not hold these blocks filled, nor these requests' KV: they leave the
+        prefix cache and the requests that would read them are lost (see `KVCacheManager.invalidate_blocks`).
+
+        Refused, changing nothing: FailedPreconditionError (worker_id) for a worker that is not
+        registered, or registered under another incarnation (it restarted since: everything it held
+        was dropped then); OutOfRangeError for a step never issued; InvalidArgumentError for another
+        cause or a block id outside the pool.
+        """
+        if not request.worker_id:
+            raise InvalidArgumentError("worker_id must not be empty", "worker_id")
+        if request.cause not in _REPORTED_CAUSES:
+            raise InvalidArgumentError(
+                f"cause must be KV_LOSS_CAUSE_STEP_REFUSED or KV_LOSS_CAUSE_KV_MISSING, got {request.cause}", "cause"
+            )
+        with self.mutating():
+            registered = self.workers.incarnation(request.worker_id)
+            if request.incarnation and registered and request.incarnation != registered:
+                raise FailedPreconditionError(
+                    f"worker {request.worker_id!r} reports as incarnation {request.incarnation}, but incarnation "
+                    f"{registered} has registered since; everything the older one held was dropped then",
+                    "incarnation",
+                )
+            if request.step_id > self.manager.last_step_id:
+                raise OutOfRangeError(
+                    f"step_id {request.step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
+                )
+            invalidation = self._apply_report(request)
+            self._journal(journal_pb2.JournalRecord(report_missing_kv=request))
+        if invalidation.num_uncached_blocks or invalidation.num_uncached_host_blocks or invalidation.lost_request_ids:
+            log.info(
+                "worker %s reports KV missing at step %d (%s): %d cached blocks and %d host blocks dropped, "
+                "%d requests lost their KV", request.worker_id, request.step_id,
+                KVLossCause(request.cause).name, invalidation.num_uncached_blocks,
+                invalidation.num_uncached_host_blocks, len(invalidation.lost_request_ids),
+                extra={"worker_id": request.worker_id, "step_id": request.step_id,
+                       "request_ids": list(invalidation.lost_request_ids[:MAX_LOGGED_IDS])},
+            )  # fmt: skip
+        return invalidation
+
+    def _apply_report(self, request: pb.ReportMissingKVRequest) -> Invalidation:
+        invalidation = self.manager.invalidate_blocks(
+            request.device_block_ids, request.host_block_ids, request.request_ids, KVLossCause(request.cause)
+        )
+        self._publish_events()
+        return invalidation
 
     def close_worker_stream(self, worker_id: str) -> None:
         """A stream `open_worker_stream` opened has ended: the worker's lease runs from now."""
@@ -427,8 +511,11 @@ class Replica:
                 with self.lock:
                     self._ack(record.ack)
             elif kind == "register_worker":
-                registered = record.register_worker
-                self.workers.register(registered.worker_id, registered.from_step_id, time.monotonic())
+                with self.lock:
+                    self._register(record.register_worker, replaying=True)
+            elif kind == "report_missing_kv":
+                with self.lock:
+                    self._apply_report(record.report_missing_kv)
             elif kind == "unregister_worker":
                 with self.lock:
                     self._drop_worker(record.unregister_worker.worker_id, None)

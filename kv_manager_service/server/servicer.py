@@ -179,20 +179,34 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     @_unary()
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
-        self._scope(request, context)
+        tenant = self._scope(request, context)
         ops, decode = convert.step_ops(request)
         try:
             if request.idempotency_key:
-                return self.replica.keyed_step(request, ops, decode, convert.step_response)
-            return convert.step_response(self.replica.step(ops, decode, request))
+                response = self.replica.keyed_step(request, ops, decode, convert.step_response)
+            else:
+                response = convert.step_response(self.replica.step(ops, decode, request))
         except KVCacheError as error:
             error.field = _wire_field(error, len(ops), unary=False)
             raise
+        if tenant is not None and response.lost_requests:
+            self.tenancy.unscope_lost_requests(tenant, response)
+        return response
 
     @_unary()
     def AckSteps(self, request: pb.AckStepsRequest, context: grpc.ServicerContext) -> pb.AckStepsResponse:
         self.replica.ack(request)
         return pb.AckStepsResponse()
+
+    @_unary()
+    def ReportMissingKV(
+        self, request: pb.ReportMissingKVRequest, context: grpc.ServicerContext
+    ) -> pb.ReportMissingKVResponse:
+        invalidation = self.replica.report_missing_kv(request)
+        return pb.ReportMissingKVResponse(
+            num_uncached_blocks=invalidation.num_uncached_blocks + invalidation.num_uncached_host_blocks,
+            num_lost_requests=len(invalidation.lost_request_ids),
+        )
 
     @_unary()
     def UnregisterWorker(
@@ -314,7 +328,9 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     async def WatchSteps(self, request: pb.WatchStepsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
-            first = await self._off_loop(self.replica.open_worker_stream, request.worker_id, request.from_step_id)
+            first = await self._off_loop(
+                self.replica.open_worker_stream, request.worker_id, request.from_step_id, request.incarnation
+            )
             try:
                 async for batch in _follow(self.replica.steps, first, "from_step_id"):
                     for _, delta in batch:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kv_manager_service.core import LoraRef, MMFeature
+from kv_manager_service.core import KVLossCause, LoraRef, MMFeature
 from kv_manager_service.core.hashing import BlockHash, HashExtras
 from kv_manager_service.core.state import CoreState, HostTierState, RequestSnapshot, restore_state
+from kv_manager_service.rpc import convert
 from kv_manager_service.server.tenancy import TenantUsage
 from kvcache.v1 import journal_pb2 as jpb
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -30,8 +31,8 @@ def take_snapshot(replica: Replica) -> jpb.JournalSnapshot:
     """The replica's state between two mutations; the caller holds its lock. Changes nothing."""
     snapshot = jpb.JournalSnapshot(core=core_to_proto(replica.manager.export_state()))
     snapshot.last_event_sequence = replica.events.last_id
-    for worker_id, acked_step_id in replica.workers.acked_step_ids().items():
-        snapshot.workers.add(worker_id=worker_id, acked_step_id=acked_step_id)
+    for worker_id, (acked_step_id, incarnation) in replica.workers.acks_and_incarnations().items():
+        snapshot.workers.add(worker_id=worker_id, acked_step_id=acked_step_id, incarnation=incarnation)
     for key, fingerprint, response in replica.step_keys.items():
         snapshot.step_keys.add(idempotency_key=key, request_sha256=fingerprint, response=response)
     if replica.tenancy is not None:
@@ -62,7 +63,7 @@ def restore_snapshot(replica: Replica, snapshot: jpb.JournalSnapshot) -> None:
     replica.events.start_after(snapshot.last_event_sequence)
     now = time.monotonic()
     for worker in snapshot.workers:
-        replica.workers.register(worker.worker_id, worker.acked_step_id, now)
+        replica.workers.register(worker.worker_id, worker.acked_step_id, now, worker.incarnation)
     for entry in snapshot.step_keys:
         replica.step_keys.put(entry.idempotency_key, entry.request_sha256, entry.response)
     if replica.tenancy is not None:
@@ -92,6 +93,7 @@ def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
         prefix_cache_hits=state.prefix_cache_hits,
         num_evictions=state.num_evictions,
         host_tier=_host_tier_to_proto(state.host_tier) if state.host_tier is not None else None,
+        kv_losses=[convert.kv_loss_count(count) for count in state.kv_losses],
     )
 
 
@@ -108,6 +110,7 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         message.prefix_cache_hits,
         message.num_evictions,
         _host_tier_from_proto(message.host_tier) if message.HasField("host_tier") else None,
+        tuple(convert.kv_loss_count_from(count) for count in message.kv_losses),
     )
 
 
@@ -172,6 +175,7 @@ def _request_to_proto(r: RequestSnapshot) -> jpb.RequestSnapshot:
         tail_token_ids=r.tail_token_ids,
         tables=[jpb.BlockIds(block_ids=ids) for ids in r.block_ids],
         num_cached_blocks=r.num_cached_blocks,
+        lost_cause=r.lost_cause or 0,
     )
 
 
@@ -188,4 +192,5 @@ def _request_from_proto(m: jpb.RequestSnapshot) -> RequestSnapshot:
         tuple(m.tail_token_ids),
         tuple(tuple(t.block_ids) for t in m.tables),
         tuple(m.num_cached_blocks),
+        KVLossCause(m.lost_cause) if m.lost_cause else None,
     )

@@ -156,6 +156,17 @@ class Tenancy:
             table.request_id = table.request_id[cut:]
         del response.pending_copies[:]
 
+    def unscope_lost_requests(self, tenant: str, response: pb.StepResponse) -> None:
+        """A tenant's view of a Step's lost requests: its own, in its own ids."""
+        prefix = tenant + SEPARATOR
+        own = [
+            pb.LostRequest(request_id=lost.request_id[len(prefix) :], cause=lost.cause)
+            for lost in response.lost_requests
+            if lost.request_id.startswith(prefix)
+        ]
+        del response.lost_requests[:]
+        response.lost_requests.extend(own)
+
     def tenant_stats(self, tenant: str, response: pb.GetStatsResponse) -> None:
         """A tenant's view of GetStats: its own requests and prefix-cache counters; occupancy,
         evictions, step ids and the host tier's occupancy and copies stay pool-wide (they tell how busy

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_manager_service.core.ops import KVLossCause
 from kv_manager_service.rpc.errors import FailedPreconditionError
 
 
@@ -25,6 +26,7 @@ class _Worker:
     acked_step_id: int
     last_heard_s: float  # monotonic
     num_streams: int = 0  # open WatchSteps streams
+    incarnation: int = 0  # new at every start of the worker process; 0: it did not say
 
 
 @dataclass(frozen=True)
@@ -52,17 +54,41 @@ class WorkerRegistry:
     def __len__(self) -> int:
         return len(self._workers)
 
-    def register(self, worker_id: str, acked_step_id: int, now_s: float) -> bool:
+    def register(self, worker_id: str, acked_step_id: int, now_s: float, incarnation: int = 0) -> bool:
         """Register `worker_id` as having done every step up to `acked_step_id`.
 
-        Returns True when it is new; registering again changes nothing but its lease.
+        Returns True when it is new; registering again changes nothing but its
+        lease, and its incarnation when `incarnation` is nonzero.
         """
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.last_heard_s = now_s
+            if incarnation:
+                worker.incarnation = incarnation
             return False
-        self._workers[worker_id] = _Worker(acked_step_id, now_s)
+        self._workers[worker_id] = _Worker(acked_step_id, now_s, incarnation=incarnation)
         return True
+
+    def memory_loss(self, worker_id: str, incarnation: int) -> KVLossCause | None:
+        """Why a worker registering as (`worker_id`, `incarnation`) has empty memory, or None when it is
+        the registered process itself coming back (a stream that reconnects).
+
+        A worker id not registered is a new worker (WORKER_JOINED: its memory
+        was never filled, or nothing proves it still holds what it held before
+        it was dropped); a registered one with another nonzero incarnation has
+        restarted (WORKER_RESTARTED). Incarnation 0 proves nothing for a new id
+        and is taken as the same process for a registered one.
+        """
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return KVLossCause.WORKER_JOINED
+        if incarnation and incarnation != worker.incarnation:
+            return KVLossCause.WORKER_RESTARTED
+        return None
+
+    def incarnation(self, worker_id: str) -> int:
+        """The registered incarnation of `worker_id`; FailedPreconditionError naming worker_id when not registered."""
+        return self._get(worker_id).incarnation
 
     def open_stream(self, worker_id: str, now_s: float) -> None:
         """A stream of a registered worker opened: it cannot expire until every stream it has closes."""
@@ -110,6 +136,10 @@ class WorkerRegistry:
     def acked_step_ids(self) -> dict[str, int]:
         """Each registered worker's acknowledged step."""
         return {worker_id: w.acked_step_id for worker_id, w in self._workers.items()}
+
+    def acks_and_incarnations(self) -> dict[str, tuple[int, int]]:
+        """Each registered worker's acknowledged step and incarnation, in registration order (for a snapshot)."""
+        return {worker_id: (w.acked_step_id, w.incarnation) for worker_id, w in self._workers.items()}
 
     def statuses(self, now_s: float) -> list[WorkerStatus]:
         """Every registered worker, by id."""

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import kernels
+from gpu_worker.kv_presence import UnfilledKVError
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import BUILTIN_MODELS
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledRequest, batch_positions
 from gpu_worker.sampling import GREEDY, SamplingParams, choose
 from gpu_worker.staging import Staging
 from gpu_worker.weights import random_weights
-from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError
+from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError, KVMissingError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 CPU = torch.device("cpu")
@@ -226,3 +227,69 @@ def test_importing_the_runner_leaves_the_triton_backend_free_to_choose_the_inter
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout == "True\n", done.stderr
+
+
+def admit_sharing(
+    runner: ModelRunner, step_id: int, request_id: str, tables: list[list[int]], num_hit_tokens: int
+) -> None:
+    """A request whose row holds, in its first blocks, `num_hit_tokens` the manager counts as cached."""
+    delta = pb.StepDelta(step_id=step_id)
+    row = delta.rows_added.add(request_id=request_id, num_hit_tokens=num_hit_tokens)
+    for group_id, block_ids in enumerate(tables):
+        row.groups.add(group_id=group_id, block_ids=block_ids)
+    runner.apply_step(delta)
+
+
+@pytest.mark.parametrize("a_computed", ["never", "before", "in the same step"])
+def test_a_hit_on_blocks_never_computed_here_is_refused_and_a_computed_one_reads_them(a_computed):
+    """a is admitted and its step may never run here; b's row then says a's first two blocks hold its first 8 tokens."""
+    runner = make_runner()
+    rng = random.Random(4)
+    prompt = [rng.randrange(runner.model.config.vocab_size) for _ in range(10)]
+    add_requests(runner, 1, {"a": [[1, 2, 3], [4, 5, 6]]})
+    if a_computed == "before":
+        runner.execute([ScheduledRequest("a", prompt, 0, GREEDY)])
+    admit_sharing(runner, 2, "b", [[1, 2, 7], [4, 5, 8]], num_hit_tokens=8)
+    b = ScheduledRequest("b", prompt[8:], 8, GREEDY)
+    batch = [ScheduledRequest("a", prompt, 0, GREEDY), b] if a_computed == "in the same step" else [b]
+    before = state_of(runner)
+    if a_computed == "never":
+        with pytest.raises(UnfilledKVError) as refused:
+            runner.execute(batch)
+        assert isinstance(refused.value, KVMissingError) and refused.value.request_ids == ["b"]
+        assert refused.value.field == "requests[0]" and refused.value.missing.device_block_ids == (1, 2, 4, 5)
+        assert_same_state(before, state_of(runner))  # nothing computed, nothing stored
+        return
+    output = runner.execute(batch)[-1]
+    expected, logprob = dense_choice(runner, prompt, GREEDY)
+    assert output.request_id == "b" and output.token_id == expected
+    assert output.logprob == pytest.approx(logprob, abs=1e-4)
+
+
+def test_a_refusal_names_every_request_that_would_read_what_is_not_here_and_the_rest_runs_again():
+    runner = make_runner()
+    vocab = runner.model.config.vocab_size
+    prompt = [(5 * i + 1) % vocab for i in range(6)]
+    add_requests(runner, 1, {"a": [[1, 2], [3, 4]], "x": [[5, 6], [7, 8]]})
+    admit_sharing(runner, 2, "b", [[1, 2], [3, 4]], num_hit_tokens=6)  # a fork of a before a ran
+    batch = [
+        ScheduledRequest("x", prompt, 0, GREEDY),
+        ScheduledRequest("b", prompt[4:5], 6, GREEDY),
+        ScheduledRequest("a", prompt[4:], 4, GREEDY),  # a skips its first 4 tokens
+    ]
+    before = state_of(runner)
+    with pytest.raises(UnfilledKVError) as refused:
+        runner.execute(batch)
+    assert refused.value.request_ids == ["b", "a"] and refused.value.field == "requests[1]"
+    assert_same_state(before, state_of(runner))
+    (output,) = runner.execute(batch[:1])
+    assert output.token_id == dense_choice(runner, prompt, GREEDY)[0]
+
+
+def test_a_worker_that_joined_late_holds_nothing_of_the_requests_live_before_it():
+    runner = make_runner()
+    runner.add_unfilled("old", [[1, 2], [3, 4]])
+    with pytest.raises(UnfilledKVError, match="'old'"):
+        runner.execute([ScheduledRequest("old", [1], 5, GREEDY)])
+    runner.execute([ScheduledRequest("old", [1, 2, 3, 4, 5, 6], 0, GREEDY)])
+    runner.execute([ScheduledRequest("old", [7], 6, GREEDY)])

@@ -1,9 +1,13 @@
-"""WorkerService over real gRPC: every refusal names its field, and changes nothing."""
+"""WorkerService over real gRPC: every refusal names its field, and changes nothing; a read of KV the
+worker does not hold is refused and reported to the manager."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -11,9 +15,13 @@ from e2e_support import DenseOracle, start_stack, stop_stack
 from processes import launch, stop_all
 
 from gpu_worker.sampling import GREEDY
-from kv_manager_service.core import AllocateOp
+from gpu_worker.kv_reports import MissingKVReporter
+from kv_manager_service.client import KVManagerClient, RetryPolicy
+from kv_manager_service.core import AllocateOp, FreeOp, KVLossCause
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.status import error_info
+from kvcache.v1 import kv_manager_pb2 as manager_pb
+from kvcache.v1 import kv_manager_pb2_grpc as manager_pb_grpc
 from kvcache.v1 import worker_pb2 as pb
 
 POOL = {"num_blocks": 64, "groups": [{"kind": "full_attention", "block_size": 16}]}
@@ -112,3 +120,121 @@ def test_a_worker_refuses_a_pool_it_cannot_run(tmp_path):
             assert done.returncode == 2 and message in done.stderr, done.stderr
     finally:
         assert not stop_all([manager])
+
+
+def kv_missing(call) -> tuple[grpc.StatusCode, str, str | None, list[str]]:
+    """The code, reason, field and request ids of a refused Execute."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    info = error_info(caught.value)
+    request_ids = json.loads(info.metadata.get("request_ids", "null"))
+    return caught.value.code(), info.reason, info.metadata.get("field"), request_ids
+
+
+def test_a_hit_on_blocks_no_execute_filled_is_refused_and_the_rest_of_the_step_runs_again(setup):
+    """A scheduler allocates a prompt and drops it before Execute; the manager still counts its blocks
+    as cached, and a later request hits them. The worker refuses to read them, names the request, and
+    tells the manager, which uncaches the blocks and counts the request as lost."""
+    stack = setup
+    oracle = DenseOracle(MODEL)
+    prompt = [(7 * i + 3) % 256 for i in range(40)]  # two full blocks of 16 and a tail
+    stack.manager_client.step([AllocateOp("kvm-dropped", prompt, len(prompt))])
+    stack.manager_client.step([FreeOp(["kvm-dropped"])])
+    assert stack.manager_client.find_cache_hit(prompt)[0].num_cached_tokens == 32
+    hit_tokens, other_tokens = prompt + [1, 2], [(5 * i + 1) % 256 for i in range(9)]
+    step = stack.manager_client.step(
+        [AllocateOp("kvm-other", other_tokens, len(other_tokens)), AllocateOp("kvm-hit", hit_tokens, len(hit_tokens))]
+    )
+    assert step.results[1].num_computed_tokens == 32
+    batch = [scheduled("kvm-other", other_tokens), scheduled("kvm-hit", hit_tokens[32:], 32)]
+    assert kv_missing(lambda: execute(stack, step.step_id, *batch)) == (
+        grpc.StatusCode.FAILED_PRECONDITION, "KV_MISSING", "requests[1]", ["kvm-hit"],
+    )  # fmt: skip
+    # The manager heard it before the reply.
+    assert dict(stack.manager_client.step([]).lost_requests) == {"kvm-hit": KVLossCause.KV_MISSING}
+    assert stack.manager_client.find_cache_hit(prompt)[0].num_cached_tokens == 0
+    # The same step again, without the request it named: its deltas are applied already.
+    (output,) = execute(stack, step.step_id, batch[0]).outputs
+    assert output.token_id == oracle.next_token(other_tokens, GREEDY)[0]
+    stack.manager_client.step([FreeOp(["kvm-hit", "kvm-other"])])
+
+
+def test_a_hit_on_blocks_an_execute_filled_reads_them(setup):
+    stack = setup
+    oracle = DenseOracle(MODEL)
+    prompt = [(11 * i + 5) % 256 for i in range(40)]
+    first = stack.manager_client.step([AllocateOp("kvh-first", prompt, len(prompt))])
+    execute(stack, first.step_id, scheduled("kvh-first", prompt))
+    stack.manager_client.step([FreeOp(["kvh-first"])])
+    tokens = prompt + [9, 8, 7]
+    step = stack.manager_client.step([AllocateOp("kvh-hit", tokens, len(tokens))])
+    assert step.results[0].num_computed_tokens == 32
+    (output,) = execute(stack, step.step_id, scheduled("kvh-hit", tokens[32:], 32)).outputs
+    assert output.token_id == oracle.next_token(tokens, GREEDY)[0]
+    stack.manager_client.step([FreeOp(["kvh-hit"])])
+
+
+class ManagerThatComesBack(manager_pb_grpc.KVManagerServiceServicer):
+    """Only ReportMissingKV: UNAVAILABLE until `available`, then it takes every report with a cause."""
+
+    def __init__(self) -> None:
+        self.available = False
+        self.received: list[manager_pb.ReportMissingKVRequest] = []
+
+    def ReportMissingKV(self, request, context):
+        if not self.available:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+        if request.cause == manager_pb.KV_LOSS_CAUSE_UNSPECIFIED:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a report needs a cause")
+        self.received.append(request)
+        return manager_pb.ReportMissingKVResponse(num_lost_requests=len(request.request_ids))
+
+
+@pytest.fixture
+def flaky_manager():
+    servicer = ManagerThatComesBack()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    manager_pb_grpc.add_KVManagerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = KVManagerClient(f"127.0.0.1:{port}", timeout_s=5, read_retry=RetryPolicy(attempts=1))
+    try:
+        yield servicer, client
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def report(step_id: int, cause: int = manager_pb.KV_LOSS_CAUSE_KV_MISSING) -> manager_pb.ReportMissingKVRequest:
+    return manager_pb.ReportMissingKVRequest(
+        worker_id="w", incarnation=7, step_id=step_id, request_ids=["r"], cause=cause
+    )
+
+
+def test_a_report_the_manager_did_not_answer_is_sent_again_until_it_does(flaky_manager):
+    manager, client = flaky_manager
+    reporter = MissingKVReporter(client, first_backoff_s=0.02, max_backoff_s=0.05)
+    try:
+        assert reporter.report(report(1)) is False and reporter.num_pending == 1
+        manager.available = True
+        deadline = time.monotonic() + 10
+        while reporter.num_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r.step_id for r in manager.received] == [1]
+        assert reporter.report(report(2)) is True
+        # An answer, even a refusal, ends a report: sending it again would get the same answer.
+        assert reporter.report(report(3, manager_pb.KV_LOSS_CAUSE_UNSPECIFIED)) is False
+        assert reporter.num_pending == 0 and [r.step_id for r in manager.received] == [1, 2]
+    finally:
+        reporter.close()
+
+
+def test_the_reports_waiting_for_the_manager_are_bounded_oldest_dropped_first(flaky_manager):
+    _, client = flaky_manager
+    reporter = MissingKVReporter(client, first_backoff_s=60, max_pending=2)
+    try:
+        assert [reporter.report(report(n)) for n in (1, 2, 3)] == [False, False, False]
+        assert [r.step_id for r in reporter.pending] == [2, 3]
+    finally:
+        reporter.close()
+    assert not reporter.thread.is_alive()

@@ -27,7 +27,7 @@ from reference_scheduler.demo_report import REPORT_UNITS, TIER_UNITS, Report, Sa
 REPORT_FIELDS = {
     "trace_file", "trace_start_index", "num_requests", "num_completed", "prefix_hit_rate", "num_prefix_hit_tokens",
     "num_prefilled_tokens", "prefill_tokens_per_s", "est_prefill_time_saved_s", "mean_usage", "peak_usage",
-    "requests_per_s", "step_ms_p50", "step_ms_p99", "num_preemptions", "paged_real_token_share",
+    "requests_per_s", "step_ms_p50", "step_ms_p99", "num_preemptions", "num_kv_lost", "paged_real_token_share",
     "own_max_real_token_share", "contiguous_real_token_share", "requests_per_replica",
 }  # fmt: skip
 

@@ -136,6 +136,9 @@ pool_id_lists = st.lists(st.sampled_from(REQUEST_IDS), min_size=1, max_size=2, u
 free_requests = st.one_of(
     st.builds(pb.FreeRequest, request_ids=pool_id_lists),
     st.builds(pb.FreeRequest, request_ids=st.lists(request_ids, max_size=3)),
+    st.builds(
+        pb.FreeRequest, request_ids=pool_id_lists, num_computed_tokens=st.lists(st.integers(0, 20), max_size=3)
+    ),
 )
 fork_requests = st.one_of(
     st.builds(pb.ForkRequest, parent_request_id=st.sampled_from(REQUEST_IDS), child_request_ids=pool_id_lists),
@@ -196,8 +199,20 @@ STRATEGIES: dict[str, st.SearchStrategy] = {
     "FindCacheHit": find_cache_hit_requests,
     "Step": step_requests,
     "GetBlockTables": st.builds(pb.GetBlockTablesRequest, request_ids=st.lists(request_ids, max_size=3)),
-    "WatchSteps": st.builds(pb.WatchStepsRequest, worker_id=worker_ids, from_step_id=step_ids),
+    "WatchSteps": st.builds(
+        pb.WatchStepsRequest, worker_id=worker_ids, from_step_id=step_ids, incarnation=st.sampled_from([0, 1, 2])
+    ),
     "AckSteps": st.builds(pb.AckStepsRequest, worker_id=worker_ids, step_id=step_ids),
+    "ReportMissingKV": st.builds(
+        pb.ReportMissingKVRequest,
+        worker_id=worker_ids,
+        incarnation=st.sampled_from([0, 1, 2]),
+        step_id=step_ids,
+        device_block_ids=st.lists(st.integers(0, 40), max_size=4),
+        host_block_ids=st.lists(st.integers(0, 4), max_size=2),
+        request_ids=st.lists(request_ids, max_size=3),
+        cause=st.sampled_from(list(pb.KVLossCause.values())),
+    ),
     "UnregisterWorker": st.builds(pb.UnregisterWorkerRequest, worker_id=worker_ids),
     "ResetPrefixCache": st.just(pb.ResetPrefixCacheRequest()),
     "GetStats": st.just(pb.GetStatsRequest()),
