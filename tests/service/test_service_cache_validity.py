@@ -7,6 +7,8 @@ ReportMissingKV); tests/gpu_worker/test_cache_validity.py runs the real worker.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import grpc
@@ -27,9 +29,10 @@ from svc_support import (
     workers,
 )
 
+from kv_manager_service.client import AllocateOp, KVLossCause, KVManagerClient
+from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import free_port, launch, stop_all
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 
 BLOCK = 16
 OK, KV_LOST = pb.ALLOCATE_STATUS_OK, pb.ALLOCATE_STATUS_KV_LOST
@@ -219,3 +222,30 @@ def test_a_restarted_manager_keeps_what_was_lost_and_why(tmp_path, compact):
     finally:
         failures = stop_all(processes)
         assert not failures, "\n\n".join(failures)
+
+
+def test_a_tenant_hears_only_of_its_own_lost_requests(server_factory, tmp_path):
+    tokens = {"alice": "alice-token-Vb3Nm8Qw1Ze5", "bob": "bob-token-Hy6Tp2Lc9Rd4",
+              "infra": {"token": "infra-token-Js7Kw1Xa5Gf3", "role": "operator"}}  # fmt: skip
+    token_file, secret_file = tmp_path / "tokens.json", tmp_path / "secret"
+    token_file.write_text(json.dumps(tokens))
+    secret_file.write_text("a-deployment-secret-9d2c4e\n")
+    for path in (token_file, secret_file):
+        os.chmod(path, 0o600)
+    server = server_factory.start(
+        "--multi-tenant", "--auth-token-file", str(token_file), "--tenant-secret-file", str(secret_file),
+        "--check-invariants", config=pool_config(64, BLOCK),
+    )  # fmt: skip
+    alice = KVManagerClient(server.address, token=tokens["alice"])
+    bob = KVManagerClient(server.address, token=tokens["bob"])
+    infra = KVManagerClient(server.address, token=tokens["infra"]["token"])
+    try:
+        alice.step([AllocateOp("mine", list(range(40)), 40)])
+        bob.step([AllocateOp("theirs", list(range(100, 140)), 40)])
+        register(infra.stub, "w", incarnation=1)  # a worker joins: both lose their KV
+        assert dict(alice.step([]).lost_requests) == {"mine": KVLossCause.WORKER_JOINED}
+        assert dict(bob.step([]).lost_requests) == {"theirs": KVLossCause.WORKER_JOINED}
+        assert dict(infra.step([]).lost_requests) == {}  # the operator's own namespace holds none
+    finally:
+        for client in (alice, bob, infra):
+            client.close()
