@@ -114,6 +114,8 @@ class DecodeStepResult(NamedTuple):
     num_computed_tokens: tuple[int, ...]
     changes: tuple[DecodeTableChange, ...]
     copies: tuple[BlockCopy, ...]
+    # Live requests whose KV is lost, until freed (see StepResult.lost_requests).
+    lost_requests: tuple[tuple[str, KVLossCause], ...] = ()
 
 
 class BlockTables(NamedTuple):
@@ -284,6 +286,7 @@ class KVManagerClient:
                 for c in decode.changes
             ),
             tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in decode.copies),
+            convert.lost_requests_from(response),
         )
 
     def ack_steps(self, worker_id: str, step_id: int) -> None:

@@ -209,7 +209,7 @@ class ColumnarManager:
             started = time.monotonic()
             answer = self.client.step([ops[i] for i in nested], auto_key=auto_key)
             self._count(started, answer.step_id, decode=False)
-            lost_requests = answer.lost_requests  # a decode's KV_LOST entries speak for themselves
+            lost_requests = answer.lost_requests
             for index, result in zip(nested, answer.results):
                 results[index] = result
                 self._track(ops[index], result)
@@ -232,6 +232,7 @@ class ColumnarManager:
                     results[index] = AllocateResult(status, num_computed, 0, (), (), step_id)
             counters.num_request_steps += num_ok
             counters.num_no_space_decode += decoded.statuses.count(NO_SPACE)
+            lost_requests = decoded.lost_requests  # the later of the two steps: the newer list
         return StepResult(self.counters.last_step_id, tuple(results), lost_requests=lost_requests)
 
     def fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> ForkResult:

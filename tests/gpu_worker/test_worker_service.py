@@ -17,7 +17,7 @@ from processes import launch, stop_all
 from gpu_worker.sampling import GREEDY
 from gpu_worker.kv_reports import MissingKVReporter
 from kv_manager_service.client import KVManagerClient, RetryPolicy
-from kv_manager_service.core import AllocateOp, FreeOp, KVLossCause
+from kv_manager_service.core import AllocateOp, AllocateStatus, FreeOp, KVLossCause
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.rpc.status import error_info
 from kvcache.v1 import kv_manager_pb2 as manager_pb
@@ -91,15 +91,21 @@ def test_bad_executes_are_refused_with_their_field_and_change_nothing(setup):
     # Nothing was computed or stored: the real call still matches the dense pass.
     first = execute(stack, n, scheduled("err-a", tokens)).outputs[0]
     assert first.token_id == oracle.next_token(tokens, GREEDY)[0]
+    # Each refusal that came after the step's deltas were applied was reported: the manager counts err-a
+    # as lost, and its scheduler frees it and admits it again.
+    lost = stack.manager_client.step([AllocateOp("err-a", [first.token_id], 1)])
+    assert lost.results[0].status is AllocateStatus.KV_LOST
+    assert dict(lost.lost_requests) == {"err-a": KVLossCause.STEP_REFUSED}
+    stack.manager_client.free(["err-a"])
     tokens.append(first.token_id)
-    later = stack.manager_client.step([AllocateOp("err-a", tokens[-1:], 1)]).step_id
-    second = execute(stack, later, scheduled("err-a", tokens[-1:], 20)).outputs[0]
-    assert second.token_id == oracle.next_token(tokens, GREEDY)[0]
+    later = stack.manager_client.step([AllocateOp("err-b", tokens, len(tokens))]).step_id
+    again = execute(stack, later, scheduled("err-b", tokens)).outputs[0]
+    assert again.token_id == oracle.next_token(tokens, GREEDY)[0]
     # The tables here are at step `later` now: step n cannot run again.
-    assert refused(lambda: execute(stack, n, scheduled("err-a", tokens[-1:], 20))) == (
+    assert refused(lambda: execute(stack, n, scheduled("err-b", tokens[-1:], 20))) == (
         grpc.StatusCode.FAILED_PRECONDITION, "step_id",
     )  # fmt: skip
-    stack.manager_client.free(["err-a"])
+    stack.manager_client.free(["err-b"])
 
 
 def test_a_worker_refuses_a_pool_it_cannot_run(tmp_path):
