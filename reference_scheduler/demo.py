@@ -44,7 +44,7 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthet
 
 
 @dataclasses.dataclass
-class Replica:
+class ReplicaStack:
     """One manager and the worker that follows it, with the scheduler that drives them."""
 
     replica_id: str
@@ -128,7 +128,7 @@ def _start_local(args: argparse.Namespace, processes: list[LaunchedProcess]) -> 
     return manager.address, worker.address
 
 
-def _connect(manager_address: str, worker_address: str, args: argparse.Namespace) -> Replica:
+def _connect(manager_address: str, worker_address: str, args: argparse.Namespace) -> ReplicaStack:
     manager = KVManagerClient(manager_address)
     worker = WorkerClient(worker_address)
     try:
@@ -139,7 +139,7 @@ def _connect(manager_address: str, worker_address: str, args: argparse.Namespace
     config = manager.get_config()
     stats = manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     scheduler = ReferenceScheduler(manager, worker, SchedulerConfig(args.token_budget, args.max_running))
-    return Replica(
+    return ReplicaStack(
         config.replica_id, manager, worker, scheduler, config.groups[0].block_size, config.num_blocks,
         stats.mirror_enabled, stats, config.num_host_blocks, tier_block_bytes(config, worker.info()),
     )  # fmt: skip
@@ -161,7 +161,7 @@ def tier_block_bytes(config: pb.GetConfigResponse, info: worker_pb2.GetWorkerInf
 
 
 def _drive(
-    replicas: list[Replica], workload: list[tuple[str, TraceRecord]], expander: TokenExpander, args: argparse.Namespace
+    replicas: list[ReplicaStack], workload: list[tuple[str, TraceRecord]], expander: TokenExpander, args: argparse.Namespace
 ) -> tuple[list[Sample], float]:
     """Run every request to completion; a sample of the replicas' state after every round of steps."""
     pending = list(reversed(workload))  # pop() takes them in trace order
@@ -189,7 +189,7 @@ def _drive(
     return samples, time.perf_counter() - started
 
 
-def _route(replicas: list[Replica], prompt: list[int]) -> Replica:
+def _route(replicas: list[ReplicaStack], prompt: list[int]) -> ReplicaStack:
     """The replica with the longest cached prefix of `prompt`; ties go to the one with less work."""
     by_id = {r.replica_id: r for r in replicas}
     cached: dict[str, int] = {}
@@ -200,11 +200,11 @@ def _route(replicas: list[Replica], prompt: list[int]) -> Replica:
         for replica in replicas:
             hit, _ = replica.manager.find_cache_hit(prompt)
             cached[replica.replica_id] = hit.num_cached_tokens
-    load: Callable[[Replica], int] = lambda r: len(r.scheduler.waiting) + len(r.scheduler.running)  # noqa: E731
+    load: Callable[[ReplicaStack], int] = lambda r: len(r.scheduler.waiting) + len(r.scheduler.running)  # noqa: E731
     return max(replicas, key=lambda r: (cached.get(r.replica_id, 0), -load(r)))
 
 
-def _sample(replicas: list[Replica], t_s: float, max_model_len: int) -> Sample:
+def _sample(replicas: list[ReplicaStack], t_s: float, max_model_len: int) -> Sample:
     queries = hits = host_hits = used = total = 0
     offloaded = onloaded = 0
     offloaded_bytes: int | None = 0
@@ -264,7 +264,7 @@ def _add_bytes(total: int | None, num_blocks: int, block_bytes: int | None) -> i
     return None if total is None or block_bytes is None else total + num_blocks * block_bytes
 
 
-def _banner(args: argparse.Namespace, replicas: list[Replica], trace_name: str, start: int, num_requests: int) -> str:
+def _banner(args: argparse.Namespace, replicas: list[ReplicaStack], trace_name: str, start: int, num_requests: int) -> str:
     where = (
         f"{len(replicas)} replica{'' if len(replicas) == 1 else 's'} ({', '.join(r.replica_id for r in replicas)})"
         if args.replica

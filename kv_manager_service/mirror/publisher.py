@@ -24,9 +24,8 @@ import redis
 from kv_manager_service.core.events import AllBlocksCleared, BlockStored, KVEvent, Tier
 from kv_manager_service.mirror.bulk import CommandTemplate, HashWrites, execute
 from kv_manager_service.mirror.collector import pages
-from kv_manager_service.mirror.schema import KeySchema, block_entry_value
+from kv_manager_service.mirror.schema import BlockKey, KeySchema, block_entry_value
 
-BlockKey = tuple[int, bytes]  # (group id, block hash)
 SWEEP_PAGE_KEYS = 1000
 """Block keys a sweep reads per round trip."""
 

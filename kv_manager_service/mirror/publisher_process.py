@@ -42,7 +42,8 @@ import redis
 
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
-from kv_manager_service.mirror.publisher import BlockKey, EntryPublisher
+from kv_manager_service.mirror.publisher import EntryPublisher
+from kv_manager_service.mirror.schema import BlockKey
 from kv_manager_service.mirror.schema import KeySchema
 
 CALLS = ("republish", "apply")

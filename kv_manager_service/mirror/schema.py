@@ -39,9 +39,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass
 
 from kv_manager_service.core.events import Tier
+
+BlockKey = tuple[int, bytes]  # (group id, block hash)
+# A replica's cached set as the mirror reads it, consistent with itself: its device tier's (group, hash)
+# counts, the (group, hash) keys its host tier holds (empty without one), and the last event they include.
+CachedSet = tuple[Counter[BlockKey], set[BlockKey], int]
 
 
 class ClusterUnavailableError(Exception):

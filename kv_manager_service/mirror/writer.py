@@ -37,32 +37,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 import redis
 
-from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.mirror.collector import CollectorMetrics, CollectorOptions, StaleFieldCollector
 from kv_manager_service.mirror.connect import cluster_epoch
 from kv_manager_service.mirror.schema import (
     CLAIM_LEASE,
     DROP_LEASE,
+    CachedSet,
     KeySchema,
     Lease,
     ReplicaIdInUseError,
 )
-from kv_manager_service.mirror.publisher import BlockKey, EntryPublisher
+from kv_manager_service.mirror.publisher import EntryPublisher
 from kv_manager_service.mirror.publisher_process import PublisherProcess
 
 log = logging.getLogger("kv_manager_service.mirror.writer")
 
-# A consistent view of the pool: its device tier's cached (group, hash) counts,
-# the (group, hash) keys its host tier holds (empty without one), and the
-# sequence of the last event they include.
-Snapshot = tuple[Counter, "set[BlockKey]", int]
 Publisher = EntryPublisher | PublisherProcess
 
 
@@ -99,7 +95,7 @@ class MirrorWriter:
         replica_id: str,
         incarnation: int,
         events: BroadcastLog[tuple[int, KVEvent]],
-        snapshot: Callable[[], Snapshot],
+        snapshot: Callable[[], CachedSet],
         lease: Callable[[], Lease],
         options: MirrorOptions = MirrorOptions(),
         publisher: Publisher | None = None,

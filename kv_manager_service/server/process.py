@@ -402,7 +402,7 @@ def _mirror(
         replica.replica_id,
         replica.incarnation,
         replica.events,
-        replica.cached_snapshot,
+        replica.cached_set,
         lambda: replica.lease(address),
         MirrorOptions(
             lease_ttl_s=options.lease_ttl_s,

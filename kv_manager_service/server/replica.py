@@ -52,7 +52,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Counter, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kv_manager_service.core import (
     AllocateOp,
@@ -69,7 +69,7 @@ from kv_manager_service.core import (
 )
 from kv_manager_service.core.events import KVEvent
 from kv_manager_service.core.ops import DecodeBatch, Invalidation, KVLossCause, Op
-from kv_manager_service.mirror.schema import Lease
+from kv_manager_service.mirror.schema import CachedSet, Lease
 from kv_manager_service.rpc import convert
 from kv_manager_service.rpc.errors import (
     FailedPreconditionError,
@@ -78,12 +78,12 @@ from kv_manager_service.rpc.errors import (
     ShuttingDownError,
 )
 from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
-from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
 from kv_manager_service.server.journal import Journal
 from kv_manager_service.server.snapshot import restore_snapshot, take_snapshot
 from kv_manager_service.server.tenancy import Tenancy
-from kv_manager_service.server.workers import WorkerRegistry, WorkerStatus
+from kv_manager_service.server.workers import WorkerLease, WorkerRegistry
 from kvcache.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
 
@@ -139,9 +139,6 @@ def logged_event_bytes(entry: tuple[int, KVEvent]) -> int:
 # The causes a worker may report (the others the manager finds itself, or a scheduler says).
 _REPORTED_CAUSES = (KVLossCause.STEP_REFUSED, KVLossCause.KV_MISSING)
 
-# A consistent view of the pool for the mirror: its device tier's cached (group, hash)
-# counts, its host tier's (group, hash) keys, and the sequence of the last event they include.
-CachedSnapshot = tuple[Counter, "set[tuple[int, bytes]]", int]
 
 
 class Replica:
@@ -416,7 +413,7 @@ class Replica:
                 self._drop_worker(worker_id, f"expired (silent for {self.workers.timeout_s:g}s)")
         return expired
 
-    def worker_statuses(self) -> tuple[list[WorkerStatus], int]:
+    def worker_statuses(self) -> tuple[list[WorkerLease], int]:
         """The registered workers and the last step id the last mutation published.
 
         Never waits for the lock (as `stats`): a worker's figures may be a moment
@@ -579,7 +576,7 @@ class Replica:
         """
         return self._stats
 
-    def cached_snapshot(self) -> CachedSnapshot:
+    def cached_set(self) -> CachedSet:
         """The pool's cached (group, hash) counts, its host tier's keys (empty without one) and the
         last event they include (for the mirror)."""
         with self.lock:

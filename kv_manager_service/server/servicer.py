@@ -36,7 +36,7 @@ from kv_manager_service.rpc.errors import InvalidArgumentError, KVCacheError, Ou
 from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
 from kv_manager_service.rpc.security import Principal, TokenTable
 from kv_manager_service.rpc.status import end_call, status_code
-from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.server.replica import Replica, check_retained
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc

@@ -30,7 +30,7 @@ class _Worker:
 
 
 @dataclass(frozen=True)
-class WorkerStatus:
+class WorkerLease:
     """One registered worker as GetStats and the metrics show it."""
 
     worker_id: str
@@ -141,10 +141,10 @@ class WorkerRegistry:
         """Each registered worker's acknowledged step and incarnation, in registration order (for a snapshot)."""
         return {worker_id: (w.acked_step_id, w.incarnation) for worker_id, w in self._workers.items()}
 
-    def statuses(self, now_s: float) -> list[WorkerStatus]:
+    def statuses(self, now_s: float) -> list[WorkerLease]:
         """Every registered worker, by id."""
         return [
-            WorkerStatus(
+            WorkerLease(
                 worker_id, w.acked_step_id, w.num_streams, 0.0 if w.num_streams else max(0.0, now_s - w.last_heard_s)
             )
             for worker_id, w in sorted(list(self._workers.items()))  # list(): one step, under the GIL

@@ -323,7 +323,7 @@ def all_redis_blobs(client: redis.Redis) -> dict[bytes, list[bytes]]:
 # -- replicas -----------------------------------------------------------------------
 
 
-class Replica:
+class ManagerProcess:
     """One running `kv-manager serve` subprocess and a client to it."""
 
     def __init__(self, process: LaunchedProcess, replica_id: str) -> None:
@@ -367,8 +367,8 @@ class ReplicaFactory:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.replicas: list[Replica] = []
-        self._processes: list[LaunchedProcess] = []  # every one started, in order: stopped even if its Replica failed
+        self.replicas: list[ManagerProcess] = []
+        self._processes: list[LaunchedProcess] = []  # every one started, in order: stopped even if its ManagerProcess failed
         self._count = 0
 
     def argv(
@@ -391,11 +391,11 @@ class ReplicaFactory:
         num_blocks: int = 64,
         model_name: str | None = None,
         extra: Iterable[str] = (),
-    ) -> Replica:
+    ) -> ManagerProcess:
         spec = dict(replica_id=replica_id, redis_url=redis_url, num_blocks=num_blocks, model_name=model_name, extra=extra)
         return self.start_many([spec])[0]
 
-    def start_many(self, specs: Sequence[dict]) -> list[Replica]:
+    def start_many(self, specs: Sequence[dict]) -> list[ManagerProcess]:
         """Start several replicas at once (their imports overlap), in spec order.
 
         Each spec holds `start`'s arguments: replica_id, redis_url and optionally
@@ -419,7 +419,7 @@ class ReplicaFactory:
         processes = launch_many(argvs, MANAGER_READY_PREFIX, log_paths)
         self._processes.extend(processes)
         for process, spec in zip(processes, specs):
-            self.replicas.append(Replica(process, spec["replica_id"]))
+            self.replicas.append(ManagerProcess(process, spec["replica_id"]))
         return self.replicas[-len(specs) :]
 
     def close(self) -> list[str]:
@@ -435,7 +435,7 @@ class ReplicaFactory:
 # -- the replica's own view: events -------------------------------------------------
 
 
-def cached_set_from_events(replica: Replica, up_to_sequence: int, group_id: int = 0) -> set[bytes]:
+def cached_set_from_events(replica: ManagerProcess, up_to_sequence: int, group_id: int = 0) -> set[bytes]:
     """The replica's cached hashes, replayed from its WatchEvents stream from sequence 1.
 
     Fails if the stream does not start at 1 (events were dropped from the
@@ -475,7 +475,7 @@ def cached_set_from_events(replica: Replica, up_to_sequence: int, group_id: int 
 EVENT_RETENTION = 100_000  # ServiceLimits.event_retention, the serve default
 
 
-def mirror_matches_pool(replica: Replica, redis_client: redis.Redis, ns: str) -> tuple[bool, str]:
+def mirror_matches_pool(replica: ManagerProcess, redis_client: redis.Redis, ns: str) -> tuple[bool, str]:
     """Compare Redis with the replica's cached set replayed from its events (exact: from sequence 1)."""
     stats = replica.stats()
     last = stats.last_event_sequence
@@ -492,7 +492,7 @@ def mirror_matches_pool(replica: Replica, redis_client: redis.Redis, ns: str) ->
 
 
 def wait_mirror_converged(
-    replicas_: Sequence[Replica], redis_server: RedisServer | RedisClusterServer, ns: str
+    replicas_: Sequence[ManagerProcess], redis_server: RedisServer | RedisClusterServer, ns: str
 ) -> None:
     """Until Redis holds exactly each replica's cached set under its incarnation."""
     client = redis_server.client()
@@ -514,7 +514,7 @@ class LoadThread(threading.Thread):
     Every RPC error is recorded: the test asserts there were none.
     """
 
-    def __init__(self, replica: Replica, seed: int) -> None:
+    def __init__(self, replica: ManagerProcess, seed: int) -> None:
         super().__init__(name=f"load-{replica.replica_id}", daemon=True)
         self.replica = replica
         self.seed = seed

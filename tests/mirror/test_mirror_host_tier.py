@@ -21,7 +21,7 @@ from kv_manager_service.mirror.lookup import HOST_HIT_WEIGHT, ClusterIndex, Repl
 from kv_manager_service.mirror.schema import KeySchema, Lease
 from kv_manager_service.rpc import convert
 from kvcache.v1 import kv_manager_pb2 as pb
-from mirror_support import BLOCK_SIZE, CALL_TIMEOUT_S, CONVERGE_TIMEOUT_S, Replica, block_hashes, prompt, wait_until
+from mirror_support import BLOCK_SIZE, CALL_TIMEOUT_S, CONVERGE_TIMEOUT_S, ManagerProcess, block_hashes, prompt, wait_until
 
 WORKER = "gpu-0"
 PROMPT = prompt(40, 4 * BLOCK_SIZE + 1)  # 4 full blocks, one token to compute
@@ -31,14 +31,14 @@ TIER = ["--num-host-blocks", "8", "--worker-timeout-s", "3600"]
 SCHEMA = KeySchema("default", "sha256_cbor")
 
 
-def tiers(replica: Replica, token_ids: list[int]) -> dict[str, tuple[int, int]]:
+def tiers(replica: ManagerProcess, token_ids: list[int]) -> dict[str, tuple[int, int]]:
     """FindCacheHit(cluster=true) from `replica`: replica id -> (cached tokens in both tiers, host-only tokens)."""
     request = pb.FindCacheHitRequest(token_ids=token_ids, cluster=True)
     response = replica.client.stub.FindCacheHit(request, timeout=CALL_TIMEOUT_S)
     return {r.replica_id: (r.num_cached_tokens, r.num_host_cached_tokens) for r in response.replicas}
 
 
-def register_worker(replica: Replica) -> None:
+def register_worker(replica: ManagerProcess) -> None:
     """Register WORKER at A's next step (a WatchSteps stream, closed once GetStats lists it)."""
     from_step_id = replica.stats().last_step_id + 1
     stream = replica.client.stub.WatchSteps(pb.WatchStepsRequest(worker_id=WORKER, from_step_id=from_step_id))
@@ -49,7 +49,7 @@ def register_worker(replica: Replica) -> None:
         stream.cancel()
 
 
-def run_acked(replica: Replica, request_id: str, token_ids: list[int], free: bool = True) -> None:
+def run_acked(replica: ManagerProcess, request_id: str, token_ids: list[int], free: bool = True) -> None:
     """Allocate `token_ids` whole (then free them), acknowledging every step: the tier's pins are released."""
     result = replica.client.allocate(request_id, token_ids, num_new_tokens=len(token_ids))
     assert result.status.name == "OK", result
@@ -61,7 +61,7 @@ def run_acked(replica: Replica, request_id: str, token_ids: list[int], free: boo
 
 
 @pytest.fixture
-def pair(mirror_redis, replicas) -> Iterator[tuple[Replica, Replica]]:
+def pair(mirror_redis, replicas) -> Iterator[tuple[ManagerProcess, ManagerProcess]]:
     """A (with the tier, its prompt moved to the host) and B (no tier), both mirrored in `mirror_redis`."""
     a, b = replicas.start_many(
         [

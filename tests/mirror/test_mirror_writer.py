@@ -23,7 +23,7 @@ import hiredis
 import pytest
 import redis
 
-from kv_manager_service.server.broadcast_log import BroadcastLog
+from kv_manager_service.broadcast_log import BroadcastLog
 from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.connect import RedisEndpoint, connect

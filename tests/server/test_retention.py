@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_manager_service.core.events import BlockRemoved, BlockStored
-from kv_manager_service.server.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.server.idempotency import ENTRY_OVERHEAD_BYTES, StepKeys
 from kv_manager_service.server.replica import ServiceLimits, logged_event_bytes
 

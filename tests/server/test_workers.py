@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kv_manager_service.rpc.errors import FailedPreconditionError
-from kv_manager_service.server.workers import WorkerRegistry, WorkerStatus
+from kv_manager_service.server.workers import WorkerLease, WorkerRegistry
 
 
 def test_only_a_registered_worker_may_acknowledge_or_leave():
@@ -69,7 +69,7 @@ def test_statuses_show_each_worker_idle_time_and_streams():
     registry.register("b", 2, 0.0)
     registry.register("a", 1, 0.0)
     registry.open_stream("a", 1.0)
-    assert registry.statuses(3.0) == [WorkerStatus("a", 1, 1, 0.0), WorkerStatus("b", 2, 0, 3.0)]
+    assert registry.statuses(3.0) == [WorkerLease("a", 1, 1, 0.0), WorkerLease("b", 2, 0, 3.0)]
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1.0])
