@@ -550,7 +550,7 @@ def run_round(
 PROFILE_CATEGORIES = (
     ("events", "event publishing (_publish_events, convert.kv_event)", ("_publish_events (",)),
     ("delta", "convert.step_delta (the logged StepDelta)", ("step_delta (kv_manager_service/rpc/convert.py",)),
-    ("log", "step log append", ("(kv_manager_service/server/broadcast_log.py",)),
+    ("log", "step log append", ("(kv_manager_service/broadcast_log.py",)),
     ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
     ("step_ops", "convert.step_ops (the decode columns as lists)", ("step_ops (", "step_ops.<locals>")),
     ("decode_results", "convert.decode_results", ("decode_results (", "decode_results.<locals>")),
