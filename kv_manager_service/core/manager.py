@@ -6,11 +6,13 @@ validated whole before anything changes, so an invalid op changes nothing.
 Each step returns its results and its `StepDelta`, the workers' input, built
 here where each change is made.
 
-The module is longer than most (about 800 lines) because a step's whole
+The module is longer than most (about 850 lines) because a step's whole
 application (admission, continuation with copy-on-write, the columnar decode
 batch, free, fork, ack) shares the reference-count and retention bookkeeping
 that the invariants in `invariants.py` check together; split apart, each half
-would need the other's private state.
+would need the other's private state. A continuation's rules (copy-on-write,
+the hash chain, growing and caching) are each written once and shared by the
+general path and the columnar decode (see "The three rules" below).
 """
 
 from __future__ import annotations
@@ -583,7 +585,7 @@ class KVCacheManager:
             required = -(-need_slots // block_size)
             for index in range(num_computed // block_size, min(len(table), required)):
                 block = table[index]
-                if block.ref_cnt > 1 and block.ref_cnt - self._retained.get(block, 0) > 1:
+                if block.ref_cnt > 1 and self._is_shared(block):  # ref_cnt > 1: the rule's cheap half, first
                     shared.append((group_id, index))
             if required > len(table):
                 num_needed += required - len(table)
@@ -592,21 +594,17 @@ class KVCacheManager:
 
         request.num_tokens = num_tokens
         if token_ids and self.enable_caching:
-            tail = request.tail_token_ids
-            tail += token_ids
-            if len(tail) >= self.hash_block_size:
-                self._hash_tail(request)
+            self._append_to_tail(request, token_ids)
 
         num_committed = num_computed + num_scheduled
         if not shared and not num_needed:
             # The common decode step: every slot it writes is in the table already and held by it
             # alone, so no table changes; the same result as the general path below, sooner.
-            self._commit(request, num_committed)
+            self._grow_and_commit(request, num_committed)
             groups = tuple([GroupAllocation(m.group_id, (), (), len(tables[m.group_id])) for m in self.managers])
             return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, groups, (), step_id)
 
         copies = []
-        num_cached_blocks = request.num_cached_blocks
         first_changed = [len(table) for table in tables]
         for group_id, index in shared:
             table = tables[group_id]
@@ -627,60 +625,58 @@ class KVCacheManager:
             if index < first_changed[group_id]:
                 first_changed[group_id] = index
 
+        num_new_blocks = [
+            max(0, m.num_required_blocks(need_slots, request.num_encoder_tokens) - len(tables[m.group_id]))
+            for m in self.managers
+        ]
+        self._grow_and_commit(request, num_committed, num_new_blocks)
         groups = []
-        for manager in self.managers:
-            group_id = manager.group_id
-            table = tables[group_id]
-            num_new = manager.num_required_blocks(need_slots, request.num_encoder_tokens) - len(table)
-            if num_new > 0:
-                table += self.pool.get_new_blocks(num_new)
+        for group_id, table in enumerate(tables):
             start = first_changed[group_id]
             changed = table[start:]
             groups.append(GroupAllocation(group_id, (), tuple([b.block_id for b in changed]) if changed else (), start))
-            if num_cached_blocks[group_id] < num_committed // manager.block_size:
-                num_cached_blocks[group_id] = manager.cache_blocks(
-                    table, request.block_hashes, num_cached_blocks[group_id], num_committed
-                )
-        request.num_computed_tokens = num_committed
         return AllocateResult(AllocateStatus.OK, num_computed, num_scheduled, tuple(groups), tuple(copies), step_id)
 
-    def _commit(self, request: RequestState, num_committed: int) -> None:
-        """Count the request's first `num_committed` tokens as computed, caching the blocks they fill.
+    # The three rules every continuation shares, written once: which written block must be copied
+    # first (`_is_shared`), how new tokens extend the hash chain (`_append_to_tail`, which `_decode`
+    # inlines for speed), and how tables grow and the blocks the computed tokens fill are cached
+    # (`_grow_and_commit`). `_continue` is the general path; `_decode` applies the common decode entry
+    # (one token, plain attention) with the same rules, without building an op or a result. The
+    # state-machine test checks that the two agree (`decode_batch`).
 
-        For a step that changed no table (the general path interleaves this with its allocations)."""
+    def _is_shared(self, block: KVCacheBlock) -> bool:
+        """Whether writing into `block` needs copy-on-write: another live table holds it too (a reference
+        held only by a pending copy does not count)."""
+        return block.ref_cnt - self._retained.get(block, 0) > 1
+
+    def _append_to_tail(self, request: RequestState, token_ids: Sequence[int]) -> None:
+        """Append tokens the request now knows to its unhashed tail; hash every hash block the tail fills."""
+        tail = request.tail_token_ids
+        tail += token_ids
+        if len(tail) >= self.hash_block_size:
+            self._hash_tail(request)
+
+    def _grow_and_commit(
+        self, request: RequestState, num_committed: int, num_new_blocks: Sequence[int] | None = None
+    ) -> None:
+        """Append `num_new_blocks[g]` fresh blocks to each group's table (None: none), and count the
+        request's first `num_committed` tokens as computed, caching the blocks they fill.
+
+        Group by group, each group's new blocks before its caching, so the
+        evictions' and the cache's events come in one order on every path.
+        """
         num_cached_blocks = request.num_cached_blocks
         tables = request.tables
+        grows = num_new_blocks is not None
         for manager in self.managers:
             group_id = manager.group_id
+            if grows and num_new_blocks[group_id]:
+                tables[group_id] += self.pool.get_new_blocks(num_new_blocks[group_id])
             if num_cached_blocks[group_id] < num_committed // manager.block_size:
                 num_cached_blocks[group_id] = manager.cache_blocks(
                     tables[group_id], request.block_hashes, num_cached_blocks[group_id], num_committed
                 )
         request.num_computed_tokens = num_committed
-
-    def _grow_and_commit(
-        self, request: RequestState, num_committed: int, growing: tuple[int, ...]
-    ) -> list[GroupAllocation]:
-        """`_commit`, after one new block at the end of each table in `growing`; returns their allocations.
-
-        Group by group, each group's new block before its caching, as `_continue` orders them (so the
-        events come in the same order).
-        """
-        grown = []
-        num_cached_blocks = request.num_cached_blocks
-        tables = request.tables
-        for manager in self.managers:
-            group_id = manager.group_id
-            table = tables[group_id]
-            if group_id in growing:
-                table += self.pool.get_new_blocks(1)
-                grown.append(GroupAllocation(group_id, (), (table[-1].block_id,), len(table) - 1))
-            if num_cached_blocks[group_id] < num_committed // manager.block_size:
-                num_cached_blocks[group_id] = manager.cache_blocks(
-                    table, request.block_hashes, num_cached_blocks[group_id], num_committed
-                )
-        request.num_computed_tokens = num_committed
-        return grown
 
     def _continue_into_delta(
         self,
@@ -733,22 +729,28 @@ class KVCacheManager:
                 statuses.append(AllocateStatus.KV_LOST)
                 num_computed_tokens.append(num_computed)
                 continue
-            growing = None if in_place_layout is None else self._groups_to_grow(request.tables, num_computed)
-            if growing is not None and len(growing) <= free_queue.num_free_blocks - self._reserve:
+            num_new = None if in_place_layout is None else self._blocks_to_grow(request.tables, num_computed)
+            if num_new is not None and (not num_new or sum(num_new) <= free_queue.num_free_blocks - self._reserve):
                 request.num_tokens += 1
-                if hashes_tokens:
+                if hashes_tokens:  # `_append_to_tail`, inlined: a call per entry costs ~5% of a decode Step
                     tail = request.tail_token_ids
                     tail.append(token_id)
                     if len(tail) >= hash_block_size:
                         self._hash_tail(request)
-                if growing:
-                    for group in self._grow_and_commit(request, num_computed + 1, growing):
+                if not num_new:
+                    self._grow_and_commit(request, num_computed + 1)
+                    statuses.append(ok)
+                    num_computed_tokens.append(num_computed)
+                    continue
+                self._grow_and_commit(request, num_computed + 1, num_new)
+                for group_id, count in enumerate(num_new):
+                    if count:
+                        table = request.tables[group_id]
+                        group = GroupAllocation(group_id, (), (table[-1].block_id,), len(table) - 1)
                         changes.append((index, group))
                         blocks_appended.append(
-                            BlockAppend(request_id, group.group_id, group.new_block_index, group.new_block_ids)
+                            BlockAppend(request_id, group_id, group.new_block_index, group.new_block_ids)
                         )
-                else:
-                    self._commit(request, num_computed + 1)
                 statuses.append(ok)
                 num_computed_tokens.append(num_computed)
                 continue
@@ -760,28 +762,29 @@ class KVCacheManager:
             decode_copies += result.copies
         return DecodeResults(statuses, num_computed_tokens, changes, decode_copies)
 
-    def _groups_to_grow(self, tables: list[list[KVCacheBlock]], position: int) -> tuple[int, ...] | None:
-        """The groups whose table needs one more block for the token at `position`; the others hold its slot.
+    def _blocks_to_grow(self, tables: list[list[KVCacheBlock]], position: int) -> list[int] | tuple[()] | None:
+        """How many blocks (0 or 1) each group's table needs for the token at `position`: () when every
+        table holds its slot already (the common case).
 
         For plain attention groups only (`_in_place_layout`). None when the
-        slot is held by another live table too (a reference a pending copy
-        holds does not count), so writing it needs copy-on-write, as
-        `_continue` decides; or when a table is short by more than a block.
+        slot is shared (`_is_shared`: writing it needs copy-on-write, which
+        `_continue` does), or when a table is short by more than a block.
         """
-        growing: tuple[int, ...] = ()
-        retained = self._retained
+        num_new: list[int] | tuple[()] = ()
         for group_id, block_size in self._in_place_layout:
             table = tables[group_id]
             slot = position // block_size
             if slot < len(table):
                 block = table[slot]
-                if block.ref_cnt > 1 and block.ref_cnt - retained.get(block, 0) > 1:
+                if block.ref_cnt > 1 and self._is_shared(block):  # ref_cnt > 1: the rule's cheap half, first
                     return None
             elif slot == len(table):
-                growing += (group_id,)
+                if not num_new:
+                    num_new = [0] * len(tables)
+                num_new[group_id] = 1
             else:
                 return None
-        return growing
+        return num_new
 
     def _hash_tail(self, request: RequestState) -> None:
         """Extend the request's hash chain over the hash blocks its tail now fills."""

@@ -12,7 +12,10 @@ runs after every rule, and the rules assert the scheduler-visible contract:
 - incremental hashing equals hashing each request's whole sequence at once;
 - replaying the event stream gives exactly the pool's prefix-cache map;
 - freeing everything and acknowledging the last step empties the pool;
-- a decode batch does exactly what its allocate ops do, one by one.
+- a decode batch does exactly what its allocate ops do, one by one: the
+  manager's two continuation paths, `_decode` (the common decode entry,
+  applied in columns) and `_continue` (every allocate op), agree on every
+  result, table, copy and event.
 """
 
 from __future__ import annotations
@@ -545,7 +548,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def decode_batch(self, data: st.DataObject) -> None:
-        """A decode batch (after a nested op, sometimes) against its allocate ops, one by one, on a twin."""
+        """A decode batch (after a nested op, sometimes) against its allocate ops, one by one, on a twin:
+        `KVCacheManager._decode` against `KVCacheManager._continue`."""
         m = self.m
         live = sorted(self.tokens)
         ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True), label="decoded")
