@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import fmt, percentile  # noqa: E402
 
 from gpu_worker.model_config import BUILTIN_MODELS  # noqa: E402
-from kv_manager_service.cli import DEFAULT_TRACE  # noqa: E402
+from kv_manager_service.cli.main import DEFAULT_TRACE  # noqa: E402
 from kv_manager_service.client import KVManagerClient  # noqa: E402
 from kv_manager_service.rpc.launch import launch  # noqa: E402
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX  # noqa: E402

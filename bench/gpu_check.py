@@ -218,7 +218,7 @@ def run_worker(out: Path, args: argparse.Namespace) -> StepResult:
     import e2e_bench
 
     from gpu_worker.model_config import BUILTIN_MODELS
-    from kv_manager_service.cli import DEFAULT_TRACE
+    from kv_manager_service.cli.main import DEFAULT_TRACE
     from kv_manager_service.client import KVManagerClient
     from kv_manager_service.rpc.launch import launch
     from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX

@@ -26,7 +26,7 @@ import grpc
 import redis
 
 from process_cpu import cpu_s, cpu_with_children_s
-from kv_manager_service import cli
+from kv_manager_service.cli import main as cli
 from kv_manager_service.core import BlockHasher, KVCacheConfig
 from kv_manager_service.mirror.schema import KeySchema
 from kv_manager_service.rpc.launch import (

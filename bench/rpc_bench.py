@@ -77,7 +77,7 @@ from google.protobuf.internal import api_implementation
 
 from bench_stats import Series, fmt
 from process_cpu import cpu_s
-from kv_manager_service import cli
+from kv_manager_service.cli import main as cli
 from kv_manager_service.rpc import convert
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.launch import LaunchedProcess, launch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_manager_service.cli import build_config, make_parser
+from kv_manager_service.cli.main import build_config, make_parser
 from kv_manager_service.core import GroupKind
 
 ROOT = Path(__file__).resolve().parents[1]

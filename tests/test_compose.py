@@ -45,7 +45,7 @@ from processes import launch, launch_until_ready, stop_all
 from redis.cluster import ClusterNode
 
 from gpu_worker.cli import build_parser
-from kv_manager_service.cli import make_parser
+from kv_manager_service.cli.main import make_parser
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.rpc.launch import LaunchedProcess, free_cluster_port
 from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX

@@ -2,6 +2,6 @@
 
 import sys
 
-from kv_manager_service.cli import main
+from kv_manager_service.cli.main import main
 
 sys.exit(main())

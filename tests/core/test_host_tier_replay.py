@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_manager_service.cli import main
+from kv_manager_service.cli.main import main
 from kv_manager_service.cli.replay import ReplayConfig, ReplayResult, replay
 from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
 from kv_manager_service.workload import TokenExpander, load_trace

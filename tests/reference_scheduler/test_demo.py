@@ -14,7 +14,7 @@ import pytest
 from e2e_support import start_stack, stop_stack
 from processes import ROOT
 
-from kv_manager_service.cli import make_parser
+from kv_manager_service.cli.main import make_parser
 from kv_manager_service.cli.replay import ReplayConfig, replay
 from kv_manager_service.core import KVCacheManager
 from kv_manager_service.core.config import KVCacheConfig
