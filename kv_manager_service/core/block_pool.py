@@ -137,14 +137,23 @@ class BlockPool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.free_queue.num_free_blocks != self.num_blocks - 1:
             return False
-        for block in self.blocks:
-            block.block_hash = None
-            block.group_id = -1
-        for cached in self.cached:
-            cached.clear()
+        self.clear_cache()
         if self.enable_events:
             self.events.append(AllBlocksCleared())
         return True
+
+    def clear_cache(self) -> int:
+        """Forget every cached hash, held blocks' included; returns how many there were. No event: the
+        caller says why (AllBlocksCleared)."""
+        num_cached = 0
+        for block in self.blocks:
+            if block.block_hash is not None:
+                block.block_hash = None
+                block.group_id = -1
+                num_cached += 1
+        for cached in self.cached:
+            cached.clear()
+        return num_cached
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> int:
         """Take the hashed ones of `blocks` out of the prefix cache, as if never cached; returns how many.

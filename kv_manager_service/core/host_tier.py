@@ -215,12 +215,9 @@ class HostTier:
         BlockRemoved per group is appended to it."""
         removed: dict[int, list[BlockHash]] = {}
         for host_block in host_blocks:
-            if host_block.block_hash is None:
-                continue
-            removed.setdefault(host_block.group_id, []).append(host_block.block_hash)
-            del self.cached[host_block.group_id][host_block.block_hash]
-            host_block.block_hash = None
-            host_block.group_id = -1
+            if host_block.block_hash is not None:
+                removed.setdefault(host_block.group_id, []).append(host_block.block_hash)
+                self._unindex(host_block)
         if events is not None:
             events += [BlockRemoved(group_id, tuple(hashes), Tier.HOST) for group_id, hashes in removed.items()]
         return sum(len(hashes) for hashes in removed.values())
@@ -232,7 +229,11 @@ class HostTier:
         self.pending.append((self.step_id, host_block, block_hash, copy, is_onload))
 
     def _evict(self, host_block: HostBlock) -> None:
+        self._unindex(host_block)
+        self.num_evictions += 1
+
+    def _unindex(self, host_block: HostBlock) -> None:
+        """Take the hashed `host_block` out of its group's index; it loses its hash."""
         del self.cached[host_block.group_id][host_block.block_hash]
         host_block.block_hash = None
         host_block.group_id = -1
-        self.num_evictions += 1

@@ -90,12 +90,7 @@ def invalidate_all(manager: KVCacheManager, cause: KVLossCause) -> Invalidation:
     """No worker memory holds anything: empty the prefix cache on both tiers, and every live request
     with computed tokens becomes lost. Pinned host blocks stay pinned until acknowledged."""
     pool = manager.pool
-    num_blocks = sum(1 for block in pool.blocks if block.block_hash is not None)
-    for block in pool.blocks:
-        block.block_hash = None
-        block.group_id = -1
-    for cached in pool.cached:
-        cached.clear()
+    num_blocks = pool.clear_cache()
     num_host_blocks = 0
     host_tier = manager.host_tier
     if host_tier is not None:

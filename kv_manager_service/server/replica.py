@@ -314,11 +314,10 @@ class Replica:
         Holds the lock."""
         worker_id, incarnation = request.worker_id, request.incarnation
         cause = self.workers.memory_loss(worker_id, incarnation)
+        self.workers.register(worker_id, request.from_step_id, time.monotonic(), incarnation)
         if cause is None:
-            self.workers.register(worker_id, request.from_step_id, time.monotonic(), incarnation)
             return False
         invalidation = self.manager.invalidate_all(cause)
-        self.workers.register(worker_id, request.from_step_id, time.monotonic(), incarnation)
         self._publish_events()
         if not replaying:
             log.info(

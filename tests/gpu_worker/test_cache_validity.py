@@ -22,7 +22,7 @@ import pytest
 from e2e_support import DenseOracle, Stack, launch_worker, start_stack, stop_stack
 from processes import check_clean_exit
 
-from kv_manager_service.client import AllocateOp, FreeOp, KVLossCause
+from kv_manager_service.client import AllocateOp, FreeOp, KVLossCause, KVManagerClient
 from kv_manager_service.rpc.errors import KVCacheError
 from kv_manager_service.rpc.launch import LaunchedProcess
 from reference_scheduler import ReferenceScheduler, WorkerClient
@@ -49,9 +49,10 @@ class Deployment:
         self.oracle = DenseOracle(MODEL, seed=SEED)
         self.vocab_size = self.oracle.model.config.vocab_size
         self.num_starts = 1
+        self.num_fillers = 0
 
     @property
-    def manager(self):
+    def manager(self) -> KVManagerClient:
         return self.stack.manager_client
 
     def scheduler(self) -> ReferenceScheduler:
@@ -72,12 +73,13 @@ class Deployment:
         """With a host tier: run other requests until every cached block of `tokens` lives only on the host."""
         if self.tier != "host":
             return
-        for n in range(40):
+        for _ in range(40):
             hit, _ = self.manager.find_cache_hit(tokens)
             if hit.num_cached_tokens and hit.num_host_cached_tokens == hit.num_cached_tokens:
                 return
             scheduler = self.scheduler()
-            scheduler.add(f"filler-{self.num_starts}-{n}-{random.random()}", self.prompt(10_000 + n, 6 * BLOCK_SIZE), 1)
+            self.num_fillers += 1
+            scheduler.add(f"filler-{self.num_fillers}", self.prompt(10_000 + self.num_fillers, 6 * BLOCK_SIZE), 1)
             scheduler.run()
         raise AssertionError("the prompt's blocks never moved to the host tier")
 
