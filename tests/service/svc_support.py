@@ -173,6 +173,14 @@ def watch_events(stub: pb_grpc.KVManagerServiceStub, from_sequence: int) -> Any:
     return stub.WatchEvents(pb.WatchEventsRequest(from_sequence=from_sequence), timeout=STREAM_TIMEOUT_S)
 
 
+def follow_steps(stub: pb_grpc.KVManagerServiceStub, worker_id: str, from_step_id: int) -> Any:
+    """A WatchSteps stream, returned once GetStats lists `worker_id`. A worker the manager did not know
+    empties the prefix cache when it registers, so a test that caches blocks must wait for this first."""
+    stream = watch_steps(stub, worker_id, from_step_id)
+    wait_for(lambda: worker_id in workers(stub), f"worker {worker_id} registered")
+    return stream
+
+
 def read_steps(stub: pb_grpc.KVManagerServiceStub, worker_id: str, from_step_id: int, n: int) -> list[pb.StepDelta]:
     stream = watch_steps(stub, worker_id, from_step_id)
     try:

@@ -11,7 +11,7 @@ import pytest
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from processes import check_clean_exit
-from svc_support import OK, ROOT, alloc, connect, pool_config, stats, watch_events, watch_steps, write_config
+from svc_support import OK, ROOT, alloc, connect, follow_steps, pool_config, stats, watch_events, write_config
 
 
 def get_config(address: str) -> pb.GetConfigResponse:
@@ -88,7 +88,7 @@ def test_sigterm_with_open_streams_shuts_down_gracefully(server_factory):
     server = server_factory.start("--replica-id", "bye", config=pool_config(16))
     channel, stub = connect(server.address)
     with channel:
-        steps = watch_steps(stub, "gpu", 1)
+        steps = follow_steps(stub, "gpu", 1)
         events = watch_events(stub, 0)
         response = stub.Allocate(alloc("a", range(20)))
         assert response.status == OK

@@ -17,6 +17,7 @@ from svc_support import (
     Worker,
     alloc,
     connect,
+    follow_steps,
     last_step_id,
     op_alloc,
     op_free,
@@ -52,7 +53,7 @@ def block_ids(stub) -> dict[str, tuple[tuple[int, ...], ...]]:
 @pytest.fixture(scope="module")
 def run(stub):
     """Drive a history while a worker follows it live; returns (deltas, responses, tables after each step)."""
-    follower = watch_steps(stub, WORKER, 1)  # opened before step 1 exists
+    follower = follow_steps(stub, WORKER, 1)  # opened before step 1 exists
     responses: dict[str, object] = {}
     after_step: list[dict] = []
 
