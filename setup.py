@@ -33,8 +33,10 @@ def generate_protos() -> None:
         ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed on {proto}")
-    for package in {p.parent for p in (ROOT / "kvcache").rglob("*_pb2.py")} | {ROOT / "kvcache"}:
-        (package / "__init__.py").touch()
+    kvcache = ROOT / "kvcache"
+    for module in kvcache.rglob("*_pb2.py"):
+        for package in module.relative_to(kvcache).parents:  # the module's folder and each above it
+            (kvcache / package / "__init__.py").touch()
 
 
 generate_protos()

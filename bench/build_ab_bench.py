@@ -55,8 +55,8 @@ from bench_stats import Series, fmt
 from process_cpu import cpu_s
 from rpc_bench import BLOCK_SIZE, PROMPT_LEN, Workload, admit_rpc, check_decode, make_client, throughput, timed_calls
 
-from kv_manager_service.rpc.launch import LaunchedProcess, launch
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_tooling.launch import LaunchedProcess, launch
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_REQUESTS = 256

@@ -68,8 +68,8 @@ from kv_manager_service.core import (
 )
 from kv_manager_service.core import hashing
 from kv_manager_service.core.block_pool import BlockPool
-from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, replay
-from kv_manager_service.workload import TokenExpander, load_trace
+from kv_tooling.replay import ReplayConfig, ReplayProgress, replay
+from kv_tooling.workload import TokenExpander, load_trace
 
 from bench_stats import busy_machine_warning  # bench/ is the script's own folder
 

@@ -1,7 +1,7 @@
 """End to end on a CPU: a manager process, a worker process and the reference scheduler.
 
 Replays the first requests of the Mooncake trace (token ids expanded as in
-`kv_manager_service.workload`, lengths scaled to fit a CPU) in waves of
+`kv_tooling.workload`, lengths scaled to fit a CPU) in waves of
 `--batch` concurrent requests of `--output-len` tokens each: each wave is admitted in one step, then
 decoded until every request of the wave has its output. Reports generated
 and prefill tokens per second, the manager's Step and the worker's Execute
@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import fmt, percentile  # noqa: E402
 
 from gpu_worker.model_config import BUILTIN_MODELS  # noqa: E402
-from kv_manager_service.cli.main import DEFAULT_TRACE  # noqa: E402
+from kv_tooling.workload import DEFAULT_TRACE  # noqa: E402
 from kv_manager_service.client import KVManagerClient  # noqa: E402
-from kv_manager_service.rpc.launch import launch  # noqa: E402
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX  # noqa: E402
-from kv_manager_service.workload import TokenExpander, load_trace  # noqa: E402
+from kv_tooling.launch import launch  # noqa: E402
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX  # noqa: E402
+from kv_tooling.workload import TokenExpander, load_trace  # noqa: E402
 from reference_scheduler import ReferenceScheduler, WorkerClient  # noqa: E402
 
 

@@ -218,11 +218,11 @@ def run_worker(out: Path, args: argparse.Namespace) -> StepResult:
     import e2e_bench
 
     from gpu_worker.model_config import BUILTIN_MODELS
-    from kv_manager_service.cli.main import DEFAULT_TRACE
+    from kv_tooling.workload import DEFAULT_TRACE
     from kv_manager_service.client import KVManagerClient
-    from kv_manager_service.rpc.launch import launch
-    from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
-    from kv_manager_service.workload import TokenExpander, load_trace
+    from kv_tooling.launch import launch
+    from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+    from kv_tooling.workload import TokenExpander, load_trace
     from reference_scheduler import WorkerClient
 
     folder = out / "worker"

@@ -39,13 +39,13 @@ from bench_stats import fmt, percentile  # noqa: E402
 
 from kv_manager_service.client import KVManagerClient  # noqa: E402
 from kv_manager_service.core import KVCacheConfig  # noqa: E402
-from kv_manager_service.rpc import convert  # noqa: E402
+from kv_manager_service import wire  # noqa: E402
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES  # noqa: E402
 from kv_manager_service.server.process import ServerOptions, build_replica  # noqa: E402
 from kv_manager_service.server.snapshot import take_snapshot  # noqa: E402
 from kvcache.v1 import kv_manager_pb2 as pb  # noqa: E402
-from kv_manager_service.rpc.launch import launch  # noqa: E402
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX  # noqa: E402
+from kv_tooling.launch import launch  # noqa: E402
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX  # noqa: E402
 
 BATCH = 256
 CONFIGS = {"no journal": [], "journal, fsync=never": ["never"], "journal, fsync=always": ["always"]}
@@ -102,7 +102,7 @@ def restart_bench(directory: Path, histories: list[int], request_steps: int, num
         checkpoints = iter(histories)
         checkpoint = next(checkpoints)
         for step, request in enumerate(decode_workload(histories[-1], request_steps), 1):
-            ops, decode = convert.step_ops(request)
+            ops, decode = wire.step_ops(request)
             snapshot_end = journal.snapshot_end
             started = time.perf_counter()
             replica.step(ops, decode, request)

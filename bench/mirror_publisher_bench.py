@@ -27,12 +27,12 @@ from pathlib import Path
 
 import redis
 
-from kv_manager_service.core.events import BlockRemoved, BlockStored
+from kv_manager_service.shared.events import BlockRemoved, BlockStored
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
 from kv_manager_service.mirror.publisher import EntryPublisher
 from kv_manager_service.mirror.publisher_process import PublisherProcess
 from kv_manager_service.mirror.schema import KeySchema
-from kv_manager_service.rpc.launch import free_port, launch_redis
+from kv_tooling.launch import free_port, launch_redis
 
 NUM_EVENTS = 256
 HASHES_PER_EVENT = 34  # 8,704 hashes, about section 1's admission in bench/mirror_writer_bench.py (8,832)

@@ -1,6 +1,6 @@
 """What the Redis-mirror benchmarks run against: a private Redis and `kv-manager serve` replicas.
 
-Every process is started as a user starts it (`kv_manager_service.rpc.launch`)
+Every process is started as a user starts it (`kv_tooling.launch`)
 on loopback, the client staying in the bench process: `redis-server` on a
 free port without persistence (`--topology single`), or a Redis Cluster of 3
 such masters (`--topology cluster`, the servers given its first node's URL),
@@ -26,10 +26,11 @@ import grpc
 import redis
 
 from process_cpu import cpu_s, cpu_with_children_s
-from kv_manager_service.cli import main as cli
+from kv_manager_service.cli.flags import build_config
+from kv_manager_service.cli.main import make_parser as serve_parser
 from kv_manager_service.core import BlockHasher, KVCacheConfig
 from kv_manager_service.mirror.schema import KeySchema
-from kv_manager_service.rpc.launch import (
+from kv_tooling.launch import (
     LaunchedProcess,
     free_cluster_port,
     free_port,
@@ -37,7 +38,7 @@ from kv_manager_service.rpc.launch import (
     launch_redis,
     launch_redis_cluster,
 )
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -204,8 +205,8 @@ class Rig:
 
 def server_config() -> KVCacheConfig:
     """The pool shape `serve` builds without pool flags (num_blocks aside): hashing included."""
-    args = cli.make_parser().parse_args(["serve"])
-    return dataclasses.replace(cli.build_config(args), enable_events=True)
+    args = serve_parser().parse_args(["serve"])
+    return dataclasses.replace(build_config(args), enable_events=True)
 
 
 def server_hasher() -> BlockHasher:

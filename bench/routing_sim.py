@@ -56,12 +56,12 @@ from typing import Sequence
 from bench_stats import percentile
 from routing_ops import LOOKUP_DESIGNS, WRITES, RedisOps, served
 from routing_router import InFlightRouter, LeaseBoard, LeaseRouter, RoundRobinRouter, Router
-from kv_manager_service.cli.in_process import InProcessManager
-from kv_manager_service.cli.replay import SampledTokenWorker
+from kv_tooling.in_process import InProcessManager
+from kv_tooling.replay import SampledTokenWorker
 from kv_manager_service.core import BlockHasher, BlockRemoved, BlockStored, KVCacheConfig, KVCacheManager
 from kv_manager_service.mirror.lookup import ReplicaPrefix
 from kv_manager_service.mirror.schema import Lease
-from kv_manager_service.workload import TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
+from kv_tooling.workload import TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
 from reference_scheduler.scheduler import ReferenceScheduler, RequestTooLargeError, Sampling, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,9 +20,9 @@ keeps the client in this process, and measures in one run:
    request sets), with the CPU seconds each process spent per Step.
 5. where a 256-op Step's server time goes: the servicer's pipeline run
    in-process without gRPC, phase by phase, on another identical core
-   (proto decode, convert.step_ops, the replica's checks, core step,
-   convert.step_delta, the step-log append, event publishing, response
-   assembly with convert.decode_results, response encode), plus the
+   (proto decode, wire.step_ops, the replica's checks, core step,
+   wire.step_delta, the step-log append, event publishing, response
+   assembly with wire.decode_results, response encode), plus the
    client's own proto work.
 
 Every round measures all of these, in-process right after the RPC it is
@@ -77,11 +77,12 @@ from google.protobuf.internal import api_implementation
 
 from bench_stats import Series, fmt
 from process_cpu import cpu_s
-from kv_manager_service.cli import main as cli
-from kv_manager_service.rpc import convert
+from kv_manager_service.cli.flags import build_config
+from kv_manager_service.cli.main import make_parser as serve_parser
+from kv_manager_service import wire
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.launch import LaunchedProcess, launch
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
+from kv_tooling.launch import LaunchedProcess, launch
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kv_manager_service.core import AllocateOp, AllocateStatus, DecodeBatch, KVCacheConfig, KVCacheManager
 from kv_manager_service.server.replica import Replica
 from kv_manager_service.server.servicer import KVManagerServicer
@@ -129,8 +130,8 @@ def make_client(address: str, own_connection: bool = False) -> KVManagerClient:
 
 def server_config(num_blocks: int) -> KVCacheConfig:
     """The core the server builds from `serve --num-blocks N`: the same flags, then events on (start_server)."""
-    args = cli.make_parser().parse_args(["serve", "--num-blocks", str(num_blocks)])
-    return dataclasses.replace(cli.build_config(args), enable_events=True)
+    args = serve_parser().parse_args(["serve", "--num-blocks", str(num_blocks)])
+    return dataclasses.replace(build_config(args), enable_events=True)
 
 
 class Workload:
@@ -274,13 +275,13 @@ class Results:
 
 PHASES = (
     ("decode", "proto decode: StepRequest.FromString"),
-    ("step_ops", "convert.step_ops: the DecodeBatch's two columns as lists"),
+    ("step_ops", "wire.step_ops: the DecodeBatch's two columns as lists"),
     ("checks", "Replica.step: token/op limits"),
     ("core", "core: KVCacheManager.step (its StepDelta included)"),
-    ("delta", "convert.step_delta + SerializeToString: the logged StepDelta"),
+    ("delta", "wire.step_delta + SerializeToString: the logged StepDelta"),
     ("log", "step log append (BroadcastLog)"),
     ("events", "_publish_events: take_events (converted when sent)"),
-    ("assemble", "StepResponse + convert.decode_results (columns in place)"),
+    ("assemble", "StepResponse + wire.decode_results (columns in place)"),
     ("encode", "response encode: SerializeToString"),
 )
 CLIENT_PHASES = (
@@ -307,7 +308,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
         t0 = now_ns()
         request = pb.StepRequest.FromString(data)
         t1 = now_ns()
-        ops, decode = convert.step_ops(request)
+        ops, decode = wire.step_ops(request)
         t2 = now_ns()
         num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp) + len(decode.token_ids)
         num_ops = len(ops) + len(decode.request_ids)
@@ -316,15 +317,15 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
             t3 = now_ns()
             result = manager.step(ops, decode=decode)
             t4 = now_ns()
-            delta = convert.step_delta(result.delta).SerializeToString()
+            delta = wire.step_delta(result.delta).SerializeToString()
             t5 = now_ns()
             replica.steps.append(delta)
             t6 = now_ns()
             replica._publish_events()
             t7 = now_ns()
         response = pb.StepResponse(step_id=result.step_id)
-        response.results.extend([convert.step_result(r) for r in result.results])
-        convert.decode_results(result.decode, response.decode)
+        response.results.extend([wire.step_result(r) for r in result.results])
+        wire.decode_results(result.decode, response.decode)
         t9 = now_ns()
         out = response.SerializeToString()
         t10 = now_ns()
@@ -548,12 +549,12 @@ def run_round(
 
 # Categories of py-spy stacks, first match wins (a frame anywhere in the stack).
 PROFILE_CATEGORIES = (
-    ("events", "event publishing (_publish_events, convert.kv_event)", ("_publish_events (",)),
-    ("delta", "convert.step_delta (the logged StepDelta)", ("step_delta (kv_manager_service/rpc/convert.py",)),
+    ("events", "event publishing (_publish_events, wire.kv_event)", ("_publish_events (",)),
+    ("delta", "wire.step_delta (the logged StepDelta)", ("step_delta (kv_manager_service/wire.py",)),
     ("log", "step log append", ("(kv_manager_service/broadcast_log.py",)),
     ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
-    ("step_ops", "convert.step_ops (the decode columns as lists)", ("step_ops (", "step_ops.<locals>")),
-    ("decode_results", "convert.decode_results", ("decode_results (", "decode_results.<locals>")),
+    ("step_ops", "wire.step_ops (the decode columns as lists)", ("step_ops (", "step_ops.<locals>")),
+    ("decode_results", "wire.decode_results", ("decode_results (", "decode_results.<locals>")),
     ("apply", "Replica.step, rest (limits, live-request checks, lock)", ("Replica.step (",)),
     ("step", "service.Step, rest (StepResponse, CopyFrom)", ("KVManagerServicer.Step (",)),
     ("proto_decode", "proto decode (grpc deserialize -> FromString)", ("deserialize (grpc/_common.py",)),

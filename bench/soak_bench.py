@@ -3,7 +3,7 @@
 Starts `python -m kv_manager_service.cli serve --port 0` as a user would,
 then runs N schedulers, each in its own process with its own
 `KVManagerClient` (processes, so the load generator shares no GIL). The
-schedulers are `reference_scheduler.soak`'s, the soak test's load: the
+schedulers are `kv_tooling.soak`'s, the soak test's load: the
 reference scheduler's loop on Mooncake prompts (scaled with `--scale`),
 decoded for their output lengths in columnar `Step`s (`client.decode`),
 admissions and frees as nested ops, forks, preemption on NO_SPACE, aborts,
@@ -56,10 +56,10 @@ import grpc
 from bench_stats import fmt, percentile
 from process_cpu import cpu_s
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.launch import LaunchedProcess, launch
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, NotReadyError
+from kv_tooling.launch import LaunchedProcess, launch
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kvcache.v1 import kv_manager_pb2 as pb
-from reference_scheduler.soak import (
+from kv_tooling.soak import (
     EndState,
     LatencyBucket,
     SoakConfig,

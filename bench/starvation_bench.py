@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_cpu import cpu_s
 from rpc_bench import Workload, admit_rpc, make_client
 
-from kv_manager_service.rpc.launch import free_port, launch_redis
+from kv_tooling.launch import free_port, launch_redis
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 

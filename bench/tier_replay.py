@@ -31,10 +31,10 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from kv_manager_service.cli.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
+from kv_tooling.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_manager_service.core import BlockStored, GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
-from kv_manager_service.core.events import Tier
-from kv_manager_service.workload import TokenExpander, load_trace
+from kv_manager_service.shared.events import Tier
+from kv_tooling.workload import TokenExpander, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"

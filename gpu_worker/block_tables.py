@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from gpu_worker.staging import StagedArray, Staging
-from kv_manager_service.rpc.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
+from kv_manager_service.shared.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
 
 
 class BlockTables:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gpu_worker.model_config import BUILTIN_MODELS
-from kv_manager_service.rpc.logs import configure_logging
+from kv_manager_service.shared.logs import configure_logging
 
 
 def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
@@ -81,7 +81,7 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _security_options(args: argparse.Namespace) -> dict:
-    from kv_manager_service.rpc import security
+    from kv_manager_service.shared import security
 
     return dict(
         tls=security.server_tls(args.tls_cert, args.tls_key, args.tls_ca),

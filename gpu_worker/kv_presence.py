@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-from kv_manager_service.rpc.errors import KVMissingError
+from kv_manager_service.shared.errors import KVMissingError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 NULL_BLOCK_ID = 0

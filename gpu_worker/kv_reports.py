@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.errors import KVCacheError
-from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
-from kv_manager_service.rpc.status import status_code
+from kv_manager_service.shared.errors import KVCacheError
+from kv_manager_service.shared.logs import MAX_LOGGED_IDS
+from kv_manager_service.shared.status import status_code
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from gpu_worker.sampling import SampledRows, SamplingParams, noise_key, sample
 from gpu_worker.staging import StagedArray, Staging
 from kernels import KernelSet
 from kernels.copy_checks import check_copies
-from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError
+from kv_manager_service.shared.errors import FailedPreconditionError, InvalidArgumentError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 

@@ -24,13 +24,13 @@ from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, Worker
 from gpu_worker.step_follower import StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.metrics import RpcMetricsInterceptor, new_registry
-from kv_manager_service.rpc.metrics_endpoint import MetricsServer, metrics_access, start_metrics_server
-from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
-from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
-from kv_manager_service.rpc.ready_line import WORKER_READY_PREFIX
-from kv_manager_service.rpc.security import BearerAuthInterceptor, ClientTLS, Role, ServerTLS, TokenTable
-from kv_manager_service.rpc.termination import TerminationSignals, exit_now
+from kv_manager_service.shared.metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.shared.metrics_endpoint import MetricsServer, metrics_access, start_metrics_server
+from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
+from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
+from kv_manager_service.shared.ready_line import WORKER_READY_PREFIX
+from kv_manager_service.shared.security import BearerAuthInterceptor, ClientTLS, Role, ServerTLS, TokenTable
+from kv_manager_service.shared.termination import TerminationSignals, exit_now
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc

@@ -25,9 +25,9 @@ from gpu_worker.runner import ModelRunner, ScheduledRequest
 from gpu_worker.sampling import SamplingParams
 from gpu_worker.step_follower import FollowerError, StepFollower
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError, KVCacheError, KVMissingError
-from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
-from kv_manager_service.rpc.status import end_call, status_code
+from kv_manager_service.shared.errors import FailedPreconditionError, InvalidArgumentError, KVCacheError, KVMissingError
+from kv_manager_service.shared.logs import MAX_LOGGED_IDS
+from kv_manager_service.shared.status import end_call, status_code
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc

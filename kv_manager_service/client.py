@@ -25,7 +25,7 @@ import grpc
 # The core's value types are the client's too: code written against the
 # in-process core runs against the service unchanged. Schedulers and workers
 # import them from here, never from the core.
-from kv_manager_service.core.ops import (
+from kv_manager_service.shared.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,
@@ -42,12 +42,12 @@ from kv_manager_service.core.ops import (
     Stats,
     StepResult,
 )
-from kv_manager_service.core.hashing import LoraRef, MMFeature
-from kv_manager_service.rpc import convert
-from kv_manager_service.rpc import errors as core_errors
-from kv_manager_service.rpc.errors import IdempotencyKeyReusedError, KVMissingError
-from kv_manager_service.rpc.security import ClientTLS, client_channel
-from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
+from kv_manager_service.shared.hash_types import LoraRef, MMFeature
+from kv_manager_service import wire
+from kv_manager_service.shared import errors as core_errors
+from kv_manager_service.shared.errors import IdempotencyKeyReusedError, KVMissingError
+from kv_manager_service.shared.security import ClientTLS, client_channel
+from kv_manager_service.shared.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
@@ -227,7 +227,7 @@ class KVManagerClient:
             request_id, token_ids, num_new_tokens, num_lookahead_tokens, num_encoder_tokens,
             cache_salt, lora, tuple(mm_features), skip_prefix_cache,
         )
-        return convert.allocate_result(self._call(self.stub.Allocate, convert.allocate_request(op)))
+        return wire.allocate_result(self._call(self.stub.Allocate, wire.allocate_request(op)))
 
     def free(self, request_ids: Sequence[str]) -> FreeResult:
         response = self._call(self.stub.Free, pb.FreeRequest(request_ids=request_ids))
@@ -253,12 +253,12 @@ class KVManagerClient:
         the step once and answers every repeat with the first response.
         Without a key the call is never repeated.
         """
-        request = pb.StepRequest(ops=[convert.step_op(op) for op in ops])
+        request = pb.StepRequest(ops=[wire.step_op(op) for op in ops])
         response = self._step(request, idempotency_key, auto_key, retry)
         return StepResult(
             response.step_id,
-            tuple(convert.op_result(r) for r in response.results),
-            lost_requests=convert.lost_requests_from(response),
+            tuple(wire.op_result(r) for r in response.results),
+            lost_requests=wire.lost_requests_from(response),
         )
 
     def decode(
@@ -286,7 +286,7 @@ class KVManagerClient:
                 for c in decode.changes
             ),
             tuple(BlockCopy(c.src_block_id, c.dst_block_id) for c in decode.copies),
-            convert.lost_requests_from(response),
+            wire.lost_requests_from(response),
         )
 
     def ack_steps(self, worker_id: str, step_id: int) -> None:
@@ -327,7 +327,7 @@ class KVManagerClient:
             cluster=cluster,
         )
         response = self._read(self.stub.FindCacheHit, request)
-        hit = convert.cache_hit_from(response)
+        hit = wire.cache_hit_from(response)
         return hit, tuple(
             ReplicaHit(r.replica_id, r.num_cached_tokens, r.num_host_cached_tokens) for r in response.replicas
         )
@@ -335,7 +335,7 @@ class KVManagerClient:
     def block_tables(self, request_ids: Sequence[str] = ()) -> BlockTables:
         response = self._read(self.stub.GetBlockTables, pb.GetBlockTablesRequest(request_ids=request_ids))
         return BlockTables(
-            tuple(convert.block_table_from(t) for t in response.tables),
+            tuple(wire.block_table_from(t) for t in response.tables),
             tuple(
                 PendingCopy(p.step_id, BlockCopy(p.copy.src_block_id, p.copy.dst_block_id))
                 for p in response.pending_copies
@@ -344,7 +344,7 @@ class KVManagerClient:
         )
 
     def stats(self) -> Stats:
-        return convert.stats_from(self._read(self.stub.GetStats, pb.GetStatsRequest()))
+        return wire.stats_from(self._read(self.stub.GetStats, pb.GetStatsRequest()))
 
     def workers(self) -> tuple[WorkerStatus, ...]:
         """The workers registered with the manager, by id (operator only, when tokens are on)."""

@@ -12,9 +12,9 @@ from typing import Sequence
 
 import grpc
 
-from kv_manager_service.rpc.errors import KVMissingError
-from kv_manager_service.rpc.security import ClientTLS, client_channel
-from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
+from kv_manager_service.shared.errors import KVMissingError
+from kv_manager_service.shared.security import ClientTLS, client_channel
+from kv_manager_service.shared.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled

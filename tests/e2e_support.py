@@ -16,8 +16,8 @@ from gpu_worker.model_config import resolve_model
 from gpu_worker.sampling import GREEDY, SamplingParams, choose
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.launch import LaunchedProcess
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from kv_tooling.launch import LaunchedProcess
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from reference_scheduler import ReferenceScheduler, Sampling, WorkerClient
 from reference_scheduler.scheduler import Request
 

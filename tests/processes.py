@@ -1,4 +1,4 @@
-"""Real server processes for tests, started as a user starts them (`kv_manager_service.rpc.launch`).
+"""Real server processes for tests, started as a user starts them (`kv_tooling.launch`).
 
 A server that does not start fails the test with its log. Each must exit 0
 within a few seconds of SIGTERM (graceful shutdown), with no traceback in
@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from kv_manager_service.rpc import launch as launcher
-from kv_manager_service.rpc.launch import LaunchedProcess
-from kv_manager_service.rpc.launch import free_port  # noqa: F401 - the tests take it from here, with the rest
-from kv_manager_service.rpc.ready_line import NotReadyError
+from kv_tooling import launch as launcher
+from kv_tooling.launch import LaunchedProcess
+from kv_tooling.launch import free_port  # noqa: F401 - the tests take it from here, with the rest
+from kv_manager_service.shared.ready_line import NotReadyError
 
 if TYPE_CHECKING:
     import redis

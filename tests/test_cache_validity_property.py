@@ -38,7 +38,7 @@ from kv_manager_service.core import (
     KVCacheManager,
     KVLossCause,
 )
-from kv_manager_service.rpc import convert
+from kv_manager_service import wire
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 28
@@ -61,7 +61,7 @@ class SimulatedWorker:
 
     def apply(self, delta) -> None:
         """Tables and moves in the runner's order: offloads, then onloads, then copy-on-write copies."""
-        message = convert.step_delta(delta)
+        message = wire.step_delta(delta)
         for move in message.offloads:
             self.host_slots[move.host_block_id] = list(self.slots[move.device_block_id])
         for move in message.onloads:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kv_manager_service.cli.main import build_config, make_parser
+from kv_manager_service.cli.flags import build_config
+from kv_manager_service.cli.main import make_parser
 from kv_manager_service.core import GroupKind
 
 ROOT = Path(__file__).resolve().parents[1]

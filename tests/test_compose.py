@@ -47,8 +47,8 @@ from redis.cluster import ClusterNode
 from gpu_worker.cli import build_parser
 from kv_manager_service.cli.main import make_parser
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.launch import LaunchedProcess, free_cluster_port
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from kv_tooling.launch import LaunchedProcess, free_cluster_port
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from kv_manager_service.mirror.schema import KeySchema
 from kvcache.v1 import kv_manager_pb2 as pb
 

@@ -18,7 +18,7 @@ import pytest
 from e2e_support import start_stack, stop_stack
 from processes import ROOT, free_port, launch, log_records, stop_all
 
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 
 POOL = {"num_blocks": 64, "groups": [{"kind": "full_attention", "block_size": 16}]}
 KV_MANAGER = [sys.executable, "-m", "kv_manager_service.cli"]

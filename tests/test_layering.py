@@ -10,15 +10,28 @@ ways of reaching a module count as imports: `importlib.import_module("...")`
 with a literal name, and a `sys.path` insertion of the `tests/` folder, which
 is an edge to `tests`.
 
-The layers, lowest first:
+The layers, lowest first (a layer imports only those below it, and itself):
 
-- `kv_manager_service.core` (pure, no I/O): the core and `rpc.errors` only,
-  plus the standard library and `xxhash` (the xxh3_128 block hash);
-- `kv_manager_service.rpc`: shared by everyone, so it imports none of its
-  users; only `rpc.convert` reads the core's types; `rpc.errors` is a leaf;
-- `kv_manager_service.client`, `.server`, `.mirror`: the edges of the manager;
-- `gpu_worker`, `reference_scheduler`: users of the client and the rpc layer;
-- `kernels`: a leaf of the worker; `cli` and `bench` may import anything;
+- the shared layer, `kvcache` (the generated contract) and
+  `kv_manager_service.shared`: what every process may import. It imports
+  nothing of the manager nor of its users. Its value modules (`ops`,
+  `events`, `config`, `hash_types`, `errors`) are pure: only each other and
+  the standard library;
+- `kv_manager_service.core` (pure, no I/O): the core, the shared value
+  modules, the standard library and `xxhash` (the xxh3_128 block hash);
+- `kv_manager_service.broadcast_log`: the standard library only;
+- `kv_manager_service.wire` (messages <-> values): the shared layer only,
+  called by the client, the servicer and the journal's codecs alone;
+- the manager's edges: `kv_manager_service.client` (the shared layer and
+  `wire`), `.server` and `.mirror` (the mirror imports nothing of the
+  server), and `.cli`, the `kv-manager` command, whose only way into the
+  tooling is handing its `replay` and `demo` subcommands to
+  `kv_tooling.commands`;
+- `gpu_worker`, `reference_scheduler`: the shared layer and the client only,
+  so they never reach the core (checked on the whole import graph too);
+  `kernels` is a leaf of the worker; the scheduler imports no worker;
+- `kv_tooling` (the demo, replay, soak, workload and launcher) and `bench`
+  may import anything but tests; no product module imports them;
 - nothing outside `tests/` imports from `tests/`.
 """
 
@@ -33,7 +46,7 @@ from typing import Callable, Iterator, NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED_FOLDERS = ("kv_manager_service", "gpu_worker", "kernels", "reference_scheduler", "bench")
+SCANNED_FOLDERS = ("kv_manager_service", "gpu_worker", "kernels", "reference_scheduler", "kv_tooling", "bench")
 # Top-level names that are the project's own (kvcache: the generated contract).
 PROJECT_PACKAGES = frozenset(SCANNED_FOLDERS) | {"kvcache", "tests"}
 CORE_FORBIDDEN_THIRD_PARTY = ("grpc", "redis", "torch", "triton", "prometheus_client", "kvcache")
@@ -42,15 +55,21 @@ CORE_THIRD_PARTY_ALLOWED = ("xxhash",)
 
 KVM = "kv_manager_service"
 CORE = f"{KVM}.core"
-RPC = f"{KVM}.rpc"
-RPC_ERRORS = f"{RPC}.errors"
-RPC_CONVERT = f"{RPC}.convert"
+SHARED = f"{KVM}.shared"
+SHARED_VALUES = tuple(f"{SHARED}.{name}" for name in ("ops", "events", "config", "hash_types", "errors"))
+WIRE = f"{KVM}.wire"
+WIRE_CALLERS = (f"{KVM}.client", f"{KVM}.server.servicer", f"{KVM}.server.journal_records", f"{KVM}.server.snapshot")
 SERVER = f"{KVM}.server"
 MIRROR = f"{KVM}.mirror"
 CLIENT = f"{KVM}.client"
 CLI = f"{KVM}.cli"
-WORKLOAD = f"{KVM}.workload"
 BROADCAST_LOG = f"{KVM}.broadcast_log"
+TOOLING = "kv_tooling"
+# The one door from the product into the tooling: the command line hands it `replay` and `demo`.
+TOOL_COMMANDS = (f"{CLI}.main", f"{TOOLING}.commands")
+MANAGER = (CORE, WIRE, CLIENT, SERVER, MIRROR, CLI, BROADCAST_LOG)
+PRODUCT = (KVM, "gpu_worker", "kernels", "reference_scheduler")
+SHARED_LAYER = (SHARED, "kvcache")
 
 
 class Edge(NamedTuple):
@@ -215,32 +234,38 @@ def imported_modules(
 Rule = Callable[[str, str], str | None]
 
 
+def shared_rule(importer: str, imported: str) -> str | None:
+    if not in_package(importer, SHARED):
+        return None
+    if in_any(imported, MANAGER + ("gpu_worker", "reference_scheduler", "kernels", TOOLING)):
+        return "the shared layer imports nothing of the manager nor of its users"
+    if in_any(importer, SHARED_VALUES) and not (in_any(imported, SHARED_VALUES) or is_standard_library(imported)):
+        return "the shared value modules import only each other and the standard library"
+    return None
+
+
 def core_rule(importer: str, imported: str) -> str | None:
     if not in_package(importer, CORE):
         return None
     if in_any(imported, CORE_FORBIDDEN_THIRD_PARTY):
         return "the core does no I/O: no grpc, redis, torch, triton, prometheus_client or kvcache"
-    allowed = in_package(imported, CORE) or imported == RPC_ERRORS or is_standard_library(imported)
+    allowed = in_any(imported, (CORE,) + SHARED_VALUES) or is_standard_library(imported)
     if allowed or in_any(imported, CORE_THIRD_PARTY_ALLOWED):
         return None
-    return "the core imports only the core, rpc.errors, the standard library and xxhash"
+    return "the core imports only the core, the shared value modules, the standard library and xxhash"
 
 
-def rpc_rule(importer: str, imported: str) -> str | None:
-    if not in_package(importer, RPC):
-        return None
-    if importer == RPC_ERRORS and is_project(imported):
-        return "rpc.errors imports nothing of the project"
-    if in_any(imported, (SERVER, MIRROR, CLIENT, CLI, "gpu_worker", "reference_scheduler", "kernels")):
-        return "the rpc layer imports none of its users"
-    if in_package(imported, CORE) and importer != RPC_CONVERT:
-        return "of the rpc layer, only rpc.convert imports the core"
+def wire_rule(importer: str, imported: str) -> str | None:
+    if importer == WIRE and is_project(imported) and not in_any(imported, SHARED_LAYER):
+        return "wire imports only the shared layer"
+    if imported == WIRE and in_any(importer, PRODUCT + (TOOLING,)) and importer not in WIRE_CALLERS:
+        return "only the client, the servicer and the journal's codecs call wire"
     return None
 
 
 def client_rule(importer: str, imported: str) -> str | None:
-    if in_package(importer, CLIENT) and in_any(imported, (SERVER, MIRROR, CLI)):
-        return "the client imports no server, mirror or cli"
+    if in_package(importer, CLIENT) and is_project(imported) and not in_any(imported, SHARED_LAYER + (WIRE,)):
+        return "the client imports only the shared layer and wire"
     return None
 
 
@@ -255,16 +280,8 @@ def mirror_rule(importer: str, imported: str) -> str | None:
 
 
 def server_rule(importer: str, imported: str) -> str | None:
-    if in_package(importer, SERVER) and in_any(
-        imported, (CLIENT, CLI, "gpu_worker", "reference_scheduler", "kernels")
-    ):
+    if in_package(importer, SERVER) and in_any(imported, (CLIENT, CLI, "gpu_worker", "reference_scheduler", "kernels")):
         return "the server imports no client, cli, gpu_worker, reference_scheduler or kernels"
-    return None
-
-
-def workload_rule(importer: str, imported: str) -> str | None:
-    if importer == WORKLOAD and is_project(imported):
-        return "the workload imports nothing of the project"
     return None
 
 
@@ -277,8 +294,8 @@ def broadcast_log_rule(importer: str, imported: str) -> str | None:
 def worker_and_scheduler_rule(importer: str, imported: str) -> str | None:
     if not in_any(importer, ("gpu_worker", "reference_scheduler")):
         return None
-    if in_any(imported, (CORE, SERVER, MIRROR, CLI)):
-        return "the worker and the scheduler reach the manager through the client and the rpc layer only"
+    if in_package(imported, KVM) and not in_any(imported, (SHARED, CLIENT)):
+        return "the worker and the scheduler reach the manager through the client and the shared layer only"
     if in_package(importer, "reference_scheduler") and in_any(imported, ("gpu_worker", "kernels")):
         return "the reference scheduler imports no gpu_worker or kernels"
     return None
@@ -290,6 +307,12 @@ def kernels_rule(importer: str, imported: str) -> str | None:
     return None
 
 
+def tooling_rule(importer: str, imported: str) -> str | None:
+    if in_any(importer, PRODUCT) and in_any(imported, (TOOLING, "bench")) and (importer, imported) != TOOL_COMMANDS:
+        return "no product module imports tooling (but the command line's hand-off to kv_tooling.commands)"
+    return None
+
+
 def outside_tests_rule(importer: str, imported: str) -> str | None:
     if not in_package(importer, "tests") and in_package(imported, "tests"):
         return "nothing outside tests/ imports from tests/"
@@ -297,15 +320,16 @@ def outside_tests_rule(importer: str, imported: str) -> str | None:
 
 
 RULES: tuple[Rule, ...] = (
+    shared_rule,
     core_rule,
-    rpc_rule,
+    wire_rule,
     client_rule,
     mirror_rule,
     server_rule,
-    workload_rule,
     broadcast_log_rule,
     worker_and_scheduler_rule,
     kernels_rule,
+    tooling_rule,
     outside_tests_rule,
 )
 
@@ -351,9 +375,10 @@ def test_the_project_keeps_its_layers() -> None:
 PLANTED_KNOWN_MODULES = frozenset(
     {
         "kv_manager_service.core.hashing",
-        "kv_manager_service.rpc.errors",
-        "kv_manager_service.rpc.status",
-        "kv_manager_service.rpc.convert",
+        "kv_manager_service.shared.errors",
+        "kv_manager_service.shared.ops",
+        "kv_manager_service.shared.status",
+        "kv_manager_service.wire",
         "kv_manager_service.server.replica",
         "kv_manager_service.server.servicer",
     }
@@ -374,27 +399,50 @@ PLANTED_TESTS_HELPERS = {"load_generator": "tests.load_generator"}
                 "kv_manager_service.core.block_pool -> torch.nn",
             ],
         ),
-        # A relative import resolves against the importer's package; rpc.errors is allowed, rpc.status is not.
+        # A relative import resolves against the importer's package; shared values are allowed, status is not.
         (
             "kv_manager_service.core.manager",
-            "from ..rpc import errors, status\nfrom . import hashing\n",
-            ["kv_manager_service.core.manager -> kv_manager_service.rpc.status"],
+            "from ..shared import errors, ops, status\nfrom . import hashing\n",
+            ["kv_manager_service.core.manager -> kv_manager_service.shared.status"],
         ),
         # `if TYPE_CHECKING:` imports count.
         (
-            "kv_manager_service.rpc.metrics",
+            "kv_manager_service.shared.metrics",
             "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n"
             "    from kv_manager_service.server.servicer import X\n",
-            ["kv_manager_service.rpc.metrics -> kv_manager_service.server.servicer"],
+            ["kv_manager_service.shared.metrics -> kv_manager_service.server.servicer"],
         ),
-        # Only rpc.convert reads the core; a package `__init__` resolves `.` to itself.
+        # The shared layer reaches nothing of the manager; a package `__init__` resolves `.` to itself.
         (
-            "kv_manager_service.rpc",
-            "from .convert import x\nfrom kv_manager_service.core import KVCacheManager\n",
-            ["kv_manager_service.rpc -> kv_manager_service.core"],
+            "kv_manager_service.shared",
+            "from .errors import x\nfrom kv_manager_service.core import KVCacheManager\n",
+            ["kv_manager_service.shared -> kv_manager_service.core"],
         ),
-        ("kv_manager_service.rpc.convert", "from kv_manager_service.core import KVCacheManager\n", []),
+        # A shared value module stays pure.
+        (
+            "kv_manager_service.shared.ops",
+            "import enum\nfrom kv_manager_service.shared import status\n",
+            ["kv_manager_service.shared.ops -> kv_manager_service.shared.status"],
+        ),
+        # wire speaks the shared layer only, and only its three callers call it.
+        (
+            "kv_manager_service.wire",
+            "from kv_manager_service.shared.ops import Op\nfrom kv_manager_service.core import KVCacheManager\n",
+            ["kv_manager_service.wire -> kv_manager_service.core"],
+        ),
+        ("kv_manager_service.server.servicer", "from kv_manager_service import wire\n", []),
+        (
+            "kv_manager_service.server.replica",
+            "from kv_manager_service import wire\n",
+            ["kv_manager_service.server.replica -> kv_manager_service.wire"],
+        ),
+        # The client returns shared values, never the core's.
+        (
+            "kv_manager_service.client",
+            "from kv_manager_service.shared.ops import Op\nfrom kv_manager_service.core.hashing import BlockHasher\n",
+            ["kv_manager_service.client -> kv_manager_service.core.hashing"],
+        ),
         # The mirror reads nothing of the server; the broadcast log sits below both.
         (
             "kv_manager_service.mirror.writer",
@@ -404,19 +452,33 @@ PLANTED_TESTS_HELPERS = {"load_generator": "tests.load_generator"}
         ("kv_manager_service.broadcast_log", "import threading\n", []),
         (
             "kv_manager_service.broadcast_log",
-            "import kv_manager_service.core.events\n",
-            ["kv_manager_service.broadcast_log -> kv_manager_service.core.events"],
+            "import kv_manager_service.shared.events\n",
+            ["kv_manager_service.broadcast_log -> kv_manager_service.shared.events"],
         ),
-        # The worker goes through the client, never the core; the scheduler never reaches the worker.
+        # The worker goes through the client and the shared layer, never the core; the scheduler never
+        # reaches the worker.
         (
             "gpu_worker.runner",
-            "from kv_manager_service.client import AllocateOp\nfrom kv_manager_service.core.ops import FreeOp\n",
+            "from kv_manager_service.client import AllocateOp\nfrom kv_manager_service.shared.ops import FreeOp\n"
+            "from kv_manager_service.core.ops import ForkOp\n",
             ["gpu_worker.runner -> kv_manager_service.core.ops"],
         ),
         (
             "reference_scheduler.scheduler",
             "import importlib\nkernels = importlib.import_module('kernels.store_kv')\n",
             ["reference_scheduler.scheduler -> kernels.store_kv"],
+        ),
+        # No product module imports tooling, but the command line's hand-off.
+        (
+            "kv_manager_service.server.process",
+            "from kv_tooling.launch import launch\n",
+            ["kv_manager_service.server.process -> kv_tooling.launch"],
+        ),
+        ("kv_manager_service.cli.main", "from kv_tooling.commands import add_tool_commands\n", []),
+        (
+            "kv_manager_service.cli.main",
+            "from kv_tooling.demo import run_demo\n",
+            ["kv_manager_service.cli.main -> kv_tooling.demo"],
         ),
         # A bench script may put the repository root on sys.path, never tests/, nor import a tests/ helper.
         (
@@ -427,13 +489,32 @@ PLANTED_TESTS_HELPERS = {"load_generator": "tests.load_generator"}
             "from load_generator import run\n",
             ["bench.some_bench -> tests", "bench.some_bench -> tests.load_generator"],
         ),
-        (
-            "kv_manager_service.workload",
-            "import random\nfrom kvcache.v1 import kv_manager_pb2\n",
-            ["kv_manager_service.workload -> kvcache.v1"],
-        ),
     ],
 )
 def test_the_layering_check_finds_planted_imports(importer: str, source: str, expected: list[str]) -> None:
-    is_package = importer == "kv_manager_service.rpc"
+    is_package = importer == "kv_manager_service.shared"
     assert forbidden_edges_in(importer, source, PLANTED_KNOWN_MODULES, PLANTED_TESTS_HELPERS, is_package) == expected
+
+
+def reachable(start: str, edges: dict[str, set[str]]) -> set[str]:
+    """Every project module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for imported in edges.get(todo.pop(), ()):
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    return seen
+
+
+def test_the_worker_and_the_scheduler_never_reach_the_core() -> None:
+    """On the whole import graph: no chain of imports leads from the worker or the scheduler to the core."""
+    modules = project_modules()
+    edges: dict[str, set[str]] = {}
+    for edge in project_edges(modules):
+        edges.setdefault(edge.importer, set()).add(edge.imported)
+    for module in modules:
+        if in_any(module.name, ("gpu_worker", "reference_scheduler")):
+            into_core = sorted(m for m in reachable(module.name, edges) if in_package(m, CORE))
+            assert not into_core, f"{module.name} reaches the core: {into_core}"

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from processes import launch
 
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 

@@ -16,7 +16,7 @@ from routing_router import InFlightRouter, LeaseBoard, LeaseRouter, RoundRobinRo
 
 from kv_manager_service.mirror.lookup import ReplicaPrefix, choose_replica  # noqa: E402
 from kv_manager_service.mirror.schema import Lease  # noqa: E402
-from kv_manager_service.workload import TraceRecord  # noqa: E402
+from kv_tooling.workload import TraceRecord  # noqa: E402
 
 NUM_REPLICAS = 4
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_manager_service.workload import (
+from kv_tooling.workload import (
     TRACE_BLOCK_SIZE,
     TokenExpander,
     TraceRecord,

@@ -1,2 +1,2 @@
-"""The `kv-manager` command: `main` (the command line, every flag parsed and validated once), and the
-`replay` tooling it dispatches to (`replay`, `in_process`)."""
+"""The `kv-manager` command: `main` (the parser, `serve`, and the hand-off of the tooling commands) and
+`flags` (the pool and security flags, parsed and validated once)."""

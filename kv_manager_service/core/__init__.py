@@ -1,11 +1,14 @@
 """The pure core: block pool, prefix cache, hybrid groups, fork and copy-on-write.
 
 It does no I/O and imports nothing from grpc, redis or torch: the edges (the
-gRPC server, the Redis mirror) drive it and drain its queues.
+gRPC server, the Redis mirror) drive it and drain its queues. The values it
+takes and returns (ops, results, events, config, errors) live in
+`kv_manager_service.shared`, where the client returns them too; they are
+re-exported here for code that drives the core in-process.
 """
 
-from kv_manager_service.core.config import GroupKind, GroupSpec, KVCacheConfig
-from kv_manager_service.rpc.errors import (
+from kv_manager_service.shared.config import GroupKind, GroupSpec, KVCacheConfig
+from kv_manager_service.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,
@@ -14,10 +17,10 @@ from kv_manager_service.rpc.errors import (
     RequestNotFoundError,
     ResourceExhaustedError,
 )
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kv_manager_service.core.hashing import BlockHash, BlockHasher, HashAlgorithm, LoraRef, MMFeature
 from kv_manager_service.core.manager import KVCacheManager
-from kv_manager_service.core.ops import (
+from kv_manager_service.shared.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,

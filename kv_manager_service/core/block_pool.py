@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kv_manager_service.core.hashing import BlockHash
 
 if TYPE_CHECKING:

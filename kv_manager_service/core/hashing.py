@@ -22,14 +22,13 @@ CBOR) and `hash_chain` (the whole sha256_cbor chain without extra keys).
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, NewType, Sequence
+from typing import Callable, Sequence
 
 from kv_manager_service.core import cbor
+from kv_manager_service.shared.hash_types import BlockHash, HashAlgorithm, LoraRef, MMFeature
 
-BlockHash = NewType("BlockHash", bytes)
 
 ROOT_SEED = "vllm-none-hash"
 
@@ -107,26 +106,6 @@ try:
     from kv_manager_service.core._chain_hash import hash_chain
 except ImportError:  # pragma: no cover - exercised by the twin's own tests
     hash_chain = hash_chain_py
-
-
-class HashAlgorithm(str, enum.Enum):
-    SHA256_CBOR = "sha256_cbor"
-    XXH3_128 = "xxh3_128"
-
-
-@dataclass(frozen=True)
-class LoraRef:
-    name: str
-    path: str
-
-
-@dataclass(frozen=True)
-class MMFeature:
-    """A multimodal item occupying tokens [offset, offset + length) of the prompt."""
-
-    identifier: str
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)

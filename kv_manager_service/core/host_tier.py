@@ -59,9 +59,9 @@ from collections import deque
 from typing import Iterable
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
-from kv_manager_service.core.events import BlockRemoved, BlockStored, KVEvent, Tier
+from kv_manager_service.shared.events import BlockRemoved, BlockStored, KVEvent, Tier
 from kv_manager_service.core.hashing import BlockHash
-from kv_manager_service.core.ops import PendingTierCopy, TierCopy
+from kv_manager_service.shared.ops import PendingTierCopy, TierCopy
 
 
 class HostBlock(KVCacheBlock):

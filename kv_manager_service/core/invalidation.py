@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kv_manager_service.core.block_queue import KVCacheBlock
-from kv_manager_service.core.events import AllBlocksCleared
-from kv_manager_service.core.ops import Invalidation, KVLossCause, KVLossCount
+from kv_manager_service.shared.events import AllBlocksCleared
+from kv_manager_service.shared.ops import Invalidation, KVLossCause, KVLossCount
 from kv_manager_service.core.request import RequestState
-from kv_manager_service.rpc.errors import InvalidArgumentError
+from kv_manager_service.shared.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from kv_manager_service.core.manager import KVCacheManager

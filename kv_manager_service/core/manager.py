@@ -22,18 +22,18 @@ from typing import Sequence
 
 from kv_manager_service.core.block_pool import BlockPool
 from kv_manager_service.core.block_queue import KVCacheBlock
-from kv_manager_service.core.config import KVCacheConfig
+from kv_manager_service.shared.config import KVCacheConfig
 from kv_manager_service.core.coordinator import KVCacheCoordinator
-from kv_manager_service.rpc.errors import (
+from kv_manager_service.shared.errors import (
     InvalidArgumentError,
     OutOfRangeError,
 )
-from kv_manager_service.core.events import KVEvent
+from kv_manager_service.shared.events import KVEvent
 from kv_manager_service.core.groups import make_group_manager
 from kv_manager_service.core.groups.cross_attention import CrossAttentionManager
 from kv_manager_service.core.host_tier import HostBlock, HostTier
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, BlockHasher, HashExtras, LoraRef, MMFeature
-from kv_manager_service.core.ops import (
+from kv_manager_service.shared.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,

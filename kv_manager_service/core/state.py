@@ -17,7 +17,7 @@ from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
 from kv_manager_service.core.host_tier import HostTier
 from kv_manager_service.core.invariants import check_invariants
-from kv_manager_service.core.ops import KVLossCause, KVLossCount, TierCopy
+from kv_manager_service.shared.ops import KVLossCause, KVLossCount, TierCopy
 from kv_manager_service.core.request import RequestState
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from array import array
 from typing import Iterable, Sequence
 
-from kv_manager_service.core.config import KVCacheConfig
-from kv_manager_service.rpc.errors import (
+from kv_manager_service.shared.config import KVCacheConfig
+from kv_manager_service.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,
@@ -15,7 +15,7 @@ from kv_manager_service.rpc.errors import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.hashing import MMFeature
-from kv_manager_service.core.ops import AllocateOp, DecodeBatch, ForkOp, FreeOp, Op
+from kv_manager_service.shared.ops import AllocateOp, DecodeBatch, ForkOp, FreeOp, Op
 from kv_manager_service.core.request import RequestState
 
 MAX_TOKEN_ID = (1 << 32) - 1

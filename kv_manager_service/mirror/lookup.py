@@ -42,8 +42,8 @@ from typing import Sequence
 
 import redis
 
-from kv_manager_service.core.ops import PrefixLookupKeys
-from kv_manager_service.core.events import Tier
+from kv_manager_service.shared.ops import PrefixLookupKeys
+from kv_manager_service.shared.events import Tier
 from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.schema import (
     ClusterUnavailableError,

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping, Sequence
 
 import redis
 
-from kv_manager_service.core.events import AllBlocksCleared, BlockStored, KVEvent, Tier
+from kv_manager_service.shared.events import AllBlocksCleared, BlockStored, KVEvent, Tier
 from kv_manager_service.mirror.bulk import CommandTemplate, HashWrites, execute
 from kv_manager_service.mirror.collector import pages
 from kv_manager_service.mirror.schema import BlockKey, KeySchema, block_entry_value

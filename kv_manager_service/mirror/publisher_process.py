@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import redis
 
-from kv_manager_service.core.events import KVEvent
+from kv_manager_service.shared.events import KVEvent
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
 from kv_manager_service.mirror.publisher import EntryPublisher
 from kv_manager_service.mirror.schema import BlockKey

@@ -42,7 +42,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from kv_manager_service.core.events import Tier
+from kv_manager_service.shared.events import Tier
 
 BlockKey = tuple[int, bytes]  # (group id, block hash)
 # A replica's cached set as the mirror reads it, consistent with itself: its device tier's (group, hash)

@@ -43,7 +43,7 @@ from typing import Callable
 import redis
 
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
-from kv_manager_service.core.events import KVEvent
+from kv_manager_service.shared.events import KVEvent
 from kv_manager_service.mirror.collector import CollectorMetrics, CollectorOptions, StaleFieldCollector
 from kv_manager_service.mirror.connect import cluster_epoch
 from kv_manager_service.mirror.schema import (

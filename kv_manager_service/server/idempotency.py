@@ -5,20 +5,22 @@ restarting manager) cannot tell whether the step was applied. Sent again with
 the same `idempotency_key`, the Step is not applied twice: the servicer finds
 the key here and answers with the response it gave the first time.
 
-An entry is `key -> (fingerprint of the request, serialized response)`. The
-fingerprint is SHA-256 over the request's deterministic serialization, so
-the same message encoded differently by another client (packed or not,
-fields in another order) matches, and a different request under the same
-key is refused (`IdempotencyKeyReusedError`). Only accepted steps are
-remembered; a rejected call changed nothing and may simply be sent again.
+An entry is `key -> (fingerprint of the request, the step's result)`. The
+fingerprint is SHA-256 over the request's deterministic serialization (the
+servicer takes it from the Step as sent), so the same message encoded
+differently by another client (packed or not, fields in another order)
+matches, and a different request under the same key is refused
+(`IdempotencyKeyReusedError`). Only accepted steps are remembered; a
+rejected call changed nothing and may simply be sent again. The result is
+kept without its delta (the step log's business), and the servicer answers
+a repeat with the same response it made of it the first time.
 
 The memory holds the last `retention` keyed steps, and no more than
-`max_bytes` of them (key, fingerprint, response and ENTRY_OVERHEAD_BYTES
-each), oldest forgotten first; a key repeated after that is applied as a
-new step. The newest entry is always kept, whatever its size. Entries are
-kept serialized (a 256-request decode response is a few KiB) and parsed
-only when a retry asks for one. A key has at most `rpc.bounds.MAX_ID_CHARS`
-characters as sent (checked before the handler; a tenant's prefix comes on top).
+`max_bytes` of them (as `result_bytes` estimates an entry), oldest forgotten
+first; a key repeated after that is applied as a new step. The newest entry
+is always kept, whatever its size. A key has at most
+`shared.bounds.MAX_ID_CHARS` characters as sent (checked before the handler;
+a tenant's prefix comes on top).
 """
 
 from __future__ import annotations
@@ -26,13 +28,23 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+from typing import NamedTuple
+
 from google.protobuf.message import Message
 
-from kv_manager_service.rpc.errors import IdempotencyKeyReusedError
+from kv_manager_service.shared.errors import IdempotencyKeyReusedError
+from kv_manager_service.shared.ops import AllocateResult, StepResult
 
-# What an entry costs beside its key, fingerprint and response: the dict's slot and links, the
-# tuple and the objects' headers (tracemalloc: ~270 bytes with a UUID key's fingerprint).
-ENTRY_OVERHEAD_BYTES = 256
+# What an entry costs beside its key and result: the dict's slot and links, the tuple, the
+# fingerprint and the objects' headers.
+ENTRY_OVERHEAD_BYTES = 320
+
+
+class StepKey(NamedTuple):
+    """A Step's idempotency key, and the fingerprint of the request it came with."""
+
+    key: str
+    fingerprint: bytes
 
 
 def request_fingerprint(request: Message) -> bytes:
@@ -40,10 +52,31 @@ def request_fingerprint(request: Message) -> bytes:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
 
 
-class StepKeys:
-    """The last `retention` keyed steps, within `max_bytes`: key -> (request fingerprint, serialized response).
+def result_bytes(result: StepResult) -> int:
+    """An estimate, on the high side, of a remembered result's memory: a tuple or list costs 64 bytes
+    and 8 a slot, a result object 120, an int 32. `sys.getsizeof` summed over every object reachable
+    from a result, shared ones included, stays below it: 4.6 KiB against 12.6 KiB for a 256-request
+    decode step, 65 KiB against 85 KiB when each of the 256 gets a block, 17 KiB against 23 KiB for 32
+    prompts of 100 tokens (tests/server/test_retention.py)."""
+    size = 120 + 64 + 8 * len(result.results) + 64 + 72 * len(result.lost_requests)
+    for op_result in result.results:
+        size += 120
+        if type(op_result) is AllocateResult:
+            size += 64 + 8 * len(op_result.copies) + 56 * len(op_result.copies)
+            for group in op_result.groups:
+                size += 120 + 128 + 40 * (len(group.hit_block_ids) + len(group.new_block_ids))
+    decode = result.decode
+    if decode is not None:
+        size += 120 + 4 * 64 + 8 * len(decode.statuses) + 40 * len(decode.num_computed_tokens)
+        size += sum(64 + 120 + 64 + 40 * len(group.new_block_ids) for _, group in decode.changes)
+        size += 64 * len(decode.copies)
+    return size
 
-    Not thread-safe: the servicer reads and writes it under its lock, in the
+
+class StepKeys:
+    """The last `retention` keyed steps, within `max_bytes`: key -> (request fingerprint, step result).
+
+    Not thread-safe: the replica reads and writes it under its lock, in the
     same critical section that applies the step, so two copies of one keyed
     request sent at once still apply it once.
     """
@@ -57,7 +90,7 @@ class StepKeys:
         self.retention = retention
         self.max_bytes = max_bytes
         self.num_bytes = 0  # of the entries held, as `_entry_bytes` counts them
-        self._entries: OrderedDict[str, tuple[bytes, bytes]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[bytes, StepResult]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -65,8 +98,8 @@ class StepKeys:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def get(self, key: str, fingerprint: bytes) -> bytes | None:
-        """The stored response of `key`, or None if the key is unknown (or forgotten).
+    def get(self, key: str, fingerprint: bytes) -> StepResult | None:
+        """The remembered result of `key`, or None if the key is unknown (or forgotten).
 
         Raises IdempotencyKeyReusedError when the key belongs to another request.
         """
@@ -81,20 +114,21 @@ class StepKeys:
             )
         return entry[1]
 
-    def items(self) -> list[tuple[str, bytes, bytes]]:
-        """(key, fingerprint, response) of every entry, oldest first: what `put` in order restores."""
-        return [(key, fingerprint, response) for key, (fingerprint, response) in self._entries.items()]
+    def items(self) -> list[tuple[str, bytes, StepResult]]:
+        """(key, fingerprint, result) of every entry, oldest first: what `put` in order restores."""
+        return [(key, fingerprint, result) for key, (fingerprint, result) in self._entries.items()]
 
     def forget(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.num_bytes -= _entry_bytes(key, entry)
 
-    def put(self, key: str, fingerprint: bytes, response: bytes) -> None:
-        """Remember an applied step's response; forgets the oldest entries past the retention or max_bytes."""
+    def put(self, key: str, fingerprint: bytes, result: StepResult) -> None:
+        """Remember an applied step's result (its delta dropped); forgets the oldest entries past the
+        retention or max_bytes."""
         assert key not in self._entries, f"idempotency key {key!r} is already remembered"
         entries = self._entries
-        entry = (fingerprint, response)
+        entry = (fingerprint, result._replace(delta=None))
         entries[key] = entry
         self.num_bytes += _entry_bytes(key, entry)
         while len(entries) > self.retention or (
@@ -103,5 +137,5 @@ class StepKeys:
             self.num_bytes -= _entry_bytes(*entries.popitem(last=False))
 
 
-def _entry_bytes(key: str, entry: tuple[bytes, bytes]) -> int:
-    return len(key) + len(entry[0]) + len(entry[1]) + ENTRY_OVERHEAD_BYTES
+def _entry_bytes(key: str, entry: tuple[bytes, StepResult]) -> int:
+    return len(key) + result_bytes(entry[1]) + ENTRY_OVERHEAD_BYTES

@@ -1,6 +1,6 @@
 """The manager's journal: an append-only local file of every accepted mutation.
 
-Record framing (formats 2 and 3, little-endian):
+Record framing (formats 2 to 4, little-endian):
 
     | u32 payload length | u32 CRC-32 of the payload | u32 CRC-32 of the 8 bytes before | payload |
 
@@ -11,8 +11,11 @@ replica and its pool; a journal only restores the same pool. A file of
 format 1 (one CRC over the payload only) is refused with a message saying to
 move it aside: reading it and appending to it would keep the framing whose
 damaged lengths passed for a torn tail. Format 3 adds the snapshot record;
-format 2 files (no snapshot) are read and appended to as they are, and their
-first compaction rewrites them in format 3. A newer format is refused.
+format 4 moves the records to their own package (`kvcache.journal.v1`, the
+same bytes) and adds a keyed step's fingerprint (journal_records.py).
+Files of formats 2 and 3 are read, then rewritten in format 4 (a compaction,
+even with compaction off) before anything is appended to them, so a file
+never mixes formats. A newer format is refused.
 
 Compaction. The records since the last snapshot are replayed at every start,
 so once they pass `compact_bytes` and the size of the file's snapshot (so
@@ -55,12 +58,12 @@ from typing import Callable
 
 from google.protobuf.message import DecodeError
 
-from kvcache.v1 import journal_pb2 as pb
+from kvcache.journal.v1 import journal_pb2 as pb
 
 log = logging.getLogger("kv_manager_service.server.journal")
 
-FORMAT_VERSION = 3  # written by this manager
-READ_FORMAT_VERSIONS = (2, 3)
+FORMAT_VERSION = 4  # written by this manager
+READ_FORMAT_VERSIONS = (2, 3, 4)
 DEFAULT_COMPACT_BYTES = 16 << 20
 COMPACTING_SUFFIX = ".compacting"
 FSYNC_POLICIES = ("always", "never")
@@ -78,7 +81,7 @@ class Journal:
 
     def __init__(
         self, path: Path, fd: int, fsync: str, records: list[pb.JournalRecord], header: pb.JournalHeader,
-        compact_bytes: int, num_bytes: int, snapshot_end: int,
+        compact_bytes: int, num_bytes: int, snapshot_end: int, file_format: int,
     ) -> None:  # fmt: skip
         self.path = path
         self.fd = fd
@@ -90,6 +93,7 @@ class Journal:
         self.num_bytes = num_bytes  # the file's size
         self.snapshot_end = snapshot_end  # where the file's snapshot (or header) ends: what a start does not replay
         self._compact_after = max(compact_bytes, snapshot_end)  # bytes past snapshot_end
+        self.file_format = file_format  # older than FORMAT_VERSION: rewritten before the first append
 
     @classmethod
     def open(
@@ -138,7 +142,8 @@ class Journal:
                 os.ftruncate(fd, valid_bytes)
             header = pb.JournalHeader(format_version=FORMAT_VERSION, replica_id=replica_id, pool=pool)
             snapshot_end = ends[1] if len(records) > 1 and records[1].WhichOneof("entry") == "snapshot" else 0
-            journal = cls(path, fd, fsync, records[1:], header, compact_bytes, valid_bytes, snapshot_end)
+            file_format = records[0].header.format_version if records else FORMAT_VERSION
+            journal = cls(path, fd, fsync, records[1:], header, compact_bytes, valid_bytes, snapshot_end, file_format)
             if records:
                 return journal
             try:
@@ -162,7 +167,10 @@ class Journal:
         self.num_bytes += len(frame)
 
     def compaction_due(self) -> bool:
-        """Whether the records since the file's snapshot are worth replacing by a new one (module docstring)."""
+        """Whether the records since the file's snapshot are worth replacing by a new one, or the file
+        is of an older format (module docstring)."""
+        if self.file_format < FORMAT_VERSION:
+            return True
         return self.compact_bytes > 0 and self.num_bytes - self.snapshot_end >= self._compact_after
 
     def compact(self, snapshot: pb.JournalSnapshot) -> bool:
@@ -197,6 +205,7 @@ class Journal:
         os.close(old_fd)
         num_bytes_before, self.num_bytes = self.num_bytes, len(frames)
         self.snapshot_end = len(frames)
+        self.file_format = FORMAT_VERSION
         self._compact_after = max(self.compact_bytes, self.snapshot_end)
         directory = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -310,7 +319,8 @@ def _check_header(record: pb.JournalRecord, path: Path, replica_id: str, pool: s
     if header.format_version not in READ_FORMAT_VERSIONS:
         raise JournalError(
             f"journal {path}: format version {header.format_version}, this manager reads "
-            f"{' and '.join(map(str, READ_FORMAT_VERSIONS))}: a newer manager wrote it; run that version, "
+            f"{', '.join(map(str, READ_FORMAT_VERSIONS[:-1]))} and {READ_FORMAT_VERSIONS[-1]}: a newer manager "
+            "wrote it; run that version, "
             "or move the file aside to start empty"
         )
     if header.replica_id != replica_id:

@@ -53,7 +53,7 @@ Tenant names are as private as the tenants' tokens: with bearer tokens on,
 (and sees every tenant's request ids) anyway. A scrape token, and a reader
 on loopback without a token, read everything but the `kvcache_tenant_*`
 families: `PRIVATE_LABELS` names the label that marks them
-(see kv_manager_service/rpc/metrics_endpoint.py).
+(see kv_manager_service/shared/metrics_endpoint.py).
 """
 
 from __future__ import annotations

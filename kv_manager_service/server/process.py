@@ -22,16 +22,16 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager
-from kv_manager_service.rpc.aio import AioInterceptor, EventLoopThread
+from kv_manager_service.shared.aio import AioInterceptor, EventLoopThread
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES, Journal
-from kv_manager_service.rpc.metrics import RpcMetricsInterceptor, new_registry
-from kv_manager_service.rpc.metrics_endpoint import MetricsAccess, MetricsServer, metrics_access, start_metrics_server
+from kv_manager_service.shared.metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.shared.metrics_endpoint import MetricsAccess, MetricsServer, metrics_access, start_metrics_server
 from kv_manager_service.server.metrics import PRIVATE_LABELS, ManagerCollector
-from kv_manager_service.rpc.parse_errors import ParseErrorInterceptor
-from kv_manager_service.rpc.ports import PortUnavailableError, check_port_free, listen
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
-from kv_manager_service.rpc.security import BearerAuthInterceptor, ServerTLS, TokenTable
-from kv_manager_service.rpc.termination import TerminationSignals
+from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
+from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.security import BearerAuthInterceptor, ServerTLS, TokenTable
+from kv_manager_service.shared.termination import TerminationSignals
 from kv_manager_service.server.replica import Replica, ServiceLimits
 from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
 from kv_manager_service.server.tenancy import Tenancy

@@ -7,8 +7,8 @@ keyed Steps and, in multi-tenant mode, the tenants' accounting. Every
 mutation runs under `lock`, and publishes, journals and remembers what it did
 before the lock is released:
 
-- each accepted step appends one serialized `StepDelta` to `steps` (step ids
-  are contiguous) and the core's cache events, numbered from 1, to `events`;
+- each accepted step appends its `StepDelta` to `steps` (step ids are
+  contiguous) and the core's cache events, numbered from 1, to `events`;
   both logs are bounded, and a reader asking for a dropped entry resyncs;
 - the journal restarts from a snapshot of all of this (snapshot.py) once
   it has grown enough, between two mutations, so a start replays little;
@@ -29,7 +29,7 @@ before the lock is released:
   are journaled and replayed like Steps, so a restart loses nothing of what
   was lost and why;
 - a keyed Step is applied once: the key's lookup, the step and remembering
-  its response happen under the lock together, so replaying the journal's
+  its result happen under the lock together, so replaying the journal's
   Steps in order rebuilds the key memory;
 - each mutation ends by publishing the pool's figures (`stats`), so readers
   of statistics never wait for the lock behind a long mutation;
@@ -39,10 +39,11 @@ before the lock is released:
 With `check_invariants`, every mutation ends with the core's whole-state
 check, accepted or refused; a failure is a bug (AssertionError).
 
-The replica speaks the core's types, plus the two messages it must keep as
-sent: a Step's request (journaled, and fingerprinted for its key) and its
-response (remembered for the key). Callers, tenants and wire field names are
-the servicer's business.
+The replica takes and returns values only (`kv_manager_service.shared`): the
+servicer converts a call's message once on the way in and the answer once on
+the way out, and the journal's codec (journal_records.py) encodes what the
+replica journals. Callers, tenants and wire field names are the servicer's
+business.
 """
 
 from __future__ import annotations
@@ -54,38 +55,50 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kv_manager_service.core import (
-    AllocateOp,
-    BlockTable,
-    CacheHit,
-    HostTierStats,
-    KVCacheManager,
-    LoraRef,
-    MMFeature,
-    PendingCopy,
-    PrefixLookupKeys,
-    Stats,
-    StepResult,
-)
-from kv_manager_service.core.events import KVEvent
-from kv_manager_service.core.ops import DecodeBatch, Invalidation, KVLossCause, Op
+from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
+from kv_manager_service.core import KVCacheManager
 from kv_manager_service.mirror.schema import CachedSet, Lease
-from kv_manager_service.rpc import convert
-from kv_manager_service.rpc.errors import (
+from kv_manager_service.server import journal_records
+from kv_manager_service.server.idempotency import StepKey, StepKeys
+from kv_manager_service.server.journal import Journal
+from kv_manager_service.server.journal_records import (
+    Entry,
+    MissingKVReported,
+    PrefixCacheReset,
+    SnapshotTaken,
+    StepApplied,
+    StepsAcked,
+    WorkerRegistered,
+    WorkerUnregistered,
+)
+from kv_manager_service.server.snapshot import restore_snapshot, take_snapshot
+from kv_manager_service.server.tenancy import Tenancy
+from kv_manager_service.server.workers import WorkerLease, WorkerRegistry
+from kv_manager_service.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     OutOfRangeError,
     ShuttingDownError,
 )
-from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
-from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
-from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
-from kv_manager_service.server.journal import Journal
-from kv_manager_service.server.snapshot import restore_snapshot, take_snapshot
-from kv_manager_service.server.tenancy import Tenancy
-from kv_manager_service.server.workers import WorkerLease, WorkerRegistry
-from kvcache.v1 import journal_pb2
-from kvcache.v1 import kv_manager_pb2 as pb
+from kv_manager_service.shared.events import KVEvent
+from kv_manager_service.shared.hash_types import LoraRef, MMFeature
+from kv_manager_service.shared.logs import MAX_LOGGED_IDS
+from kv_manager_service.shared.ops import (
+    AllocateOp,
+    BlockTable,
+    CacheHit,
+    DecodeBatch,
+    HostTierStats,
+    Invalidation,
+    KVLossCause,
+    MissingKVReport,
+    Op,
+    PendingCopy,
+    PrefixLookupKeys,
+    Stats,
+    StepDelta,
+    StepResult,
+)
 
 log = logging.getLogger("kv_manager_service.server.replica")
 
@@ -96,7 +109,7 @@ class ServiceLimits:
 
     Each retention is bounded in entries and in bytes, whichever is reached
     first (the defaults in bytes add up to 0.3 GiB; strings and lists of a
-    call are bounded by `rpc.bounds`).
+    call are bounded by `shared.bounds`).
     """
 
     max_tokens_per_call: int = 1 << 20
@@ -104,9 +117,9 @@ class ServiceLimits:
     step_retention: int = 100_000  # step deltas kept for WatchSteps
     event_retention: int = 100_000  # events kept for WatchEvents
     idempotency_retention: int = 100_000  # keyed Steps remembered (see idempotency.py)
-    step_retention_bytes: int = 128 << 20  # serialized step deltas
+    step_retention_bytes: int = 128 << 20  # step deltas, as `logged_delta_bytes` estimates them
     event_retention_bytes: int = 64 << 20  # events, as `logged_event_bytes` estimates them
-    idempotency_retention_bytes: int = 128 << 20  # keys and responses of keyed Steps
+    idempotency_retention_bytes: int = 128 << 20  # keys and results of keyed Steps (see idempotency.py)
 
     def __post_init__(self) -> None:
         for name in (
@@ -123,9 +136,17 @@ class ServiceLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def logged_delta_bytes(delta: bytes) -> int:
-    """A serialized StepDelta's memory in the step log: its bytes, the object's header and the log's slot."""
-    return len(delta) + 64
+def logged_delta_bytes(delta: StepDelta) -> int:
+    """An estimate, on the high side, of a logged delta's memory: ~400 bytes of objects and slot, and
+    each part's tuples and ints. `sys.getsizeof` summed over every object reachable from a delta, the
+    core's own request ids and block ids included, stays below it: 59 KiB against 60 KiB when each of
+    256 decoding requests gets a block, 15 KiB against 17 KiB for 32 prompts of 100 tokens."""
+    size = 400 + 72 * len(delta.requests_freed) + 120 * (len(delta.copies) + len(delta.offloads) + len(delta.onloads))
+    for table in delta.rows_added:
+        size += 200 + sum(64 + 40 * len(block_ids) for block_ids in table.block_ids)
+    for append in delta.blocks_appended:
+        size += 200 + 40 * len(append.block_ids)
+    return size
 
 
 def logged_event_bytes(entry: tuple[int, KVEvent]) -> int:
@@ -174,9 +195,8 @@ class Replica:
         # Reentrant: a keyed Step holds it across the key lookup and the step.
         self.lock = threading.RLock()
         self.step_keys = StepKeys(limits.idempotency_retention, limits.idempotency_retention_bytes)
-        # Serialized StepDeltas: a parsed message costs several times its bytes,
-        # and the log holds up to step_retention of them.
-        self.steps: BroadcastLog[bytes] = BroadcastLog(
+        # The deltas workers follow, serialized when a worker is sent them, off the lock (the servicer).
+        self.steps: BroadcastLog[StepDelta] = BroadcastLog(
             limits.step_retention, limits.step_retention_bytes, logged_delta_bytes
         )
         # (monotonic ns when logged, event): stamped for the mirror's lag.
@@ -189,7 +209,7 @@ class Replica:
         self._stats = (manager.stats(), 0, 0, manager.host_tier_stats())
         self.journal: Journal | None = None
         if journal is not None:
-            self._replay(journal.records)
+            self._replay([journal_records.decode(record) for record in journal.records])
             self.workers.renew_all(time.monotonic())  # the journal's workers had no chance to call
             self._publish_stats()
         self.journal = journal
@@ -221,14 +241,14 @@ class Replica:
                     self.manager.check_invariants()
                 self._publish_stats()
 
-    def step(
-        self, ops: Sequence[Op], decode: DecodeBatch | None = None, request: pb.StepRequest | None = None
-    ) -> StepResult:
+    def step(self, ops: Sequence[Op], decode: DecodeBatch | None = None, key: StepKey | None = None) -> StepResult:
         """Apply one step, then log its delta and events and journal it. Invalid input changes nothing.
 
         `decode`: a Step's decode columns (they continue live requests).
-        `request`: the Step message the ops come from, journaled as sent; None
-        for a single-op call, journaled as a Step of its ops.
+        `key`: a keyed Step's idempotency key, applied once: a repeat (the same key and fingerprint)
+        gets the first result back and changes nothing. Looking the key up, applying the step and
+        remembering its result happen under the lock at once. The key with another request is
+        IdempotencyKeyReusedError. A rejected step is not remembered.
         """
         num_tokens = sum(len(op.token_ids) for op in ops if type(op) is AllocateOp)
         num_ops = len(ops)
@@ -247,40 +267,21 @@ class Replica:
             )
         manager = self.manager
         with self.mutating():
+            if key is not None:
+                remembered = self.step_keys.get(key.key, key.fingerprint)
+                if remembered is not None:
+                    return remembered
             if self.tenancy is None:
                 result = manager.step(ops, decode=decode)
             else:
                 result = self.tenancy.step(manager, ops, decode)
-            if self.journal is not None:
-                journaled = request if request is not None else convert.step_request(ops)
-                self._journal(journal_pb2.JournalRecord(step=journal_pb2.JournalStep(ops=journaled)))
-            self.steps.append(convert.step_delta(result.delta).SerializeToString())
+            self._journal(StepApplied(ops, decode, key))
+            self.steps.append(result.delta)
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
             self._publish_events()
+            if key is not None:
+                self.step_keys.put(key.key, key.fingerprint, result)
         return result
-
-    def keyed_step(
-        self,
-        request: pb.StepRequest,
-        ops: Sequence[Op],
-        decode: DecodeBatch | None,
-        respond: Callable[[StepResult], pb.StepResponse],
-    ) -> pb.StepResponse:
-        """Apply a Step that carries an idempotency key once; a repeat gets the first response.
-
-        Looking the key up, applying the step and remembering `respond`'s
-        answer happen under the lock at once. The key with another request is
-        IdempotencyKeyReusedError. A rejected step is not remembered.
-        """
-        key = request.idempotency_key
-        fingerprint = request_fingerprint(request)
-        with self.lock:
-            stored = self.step_keys.get(key, fingerprint)
-            if stored is not None:
-                return pb.StepResponse.FromString(stored)
-            response = respond(self.step(ops, decode, request))
-            self.step_keys.put(key, fingerprint, response.SerializeToString())
-        return response
 
     def open_worker_stream(self, worker_id: str, from_step_id: int, incarnation: int = 0) -> int:
         """A worker follows the step log from `from_step_id` (0: all that is retained); returns the first step id.
@@ -303,13 +304,13 @@ class Replica:
                     f"from_step_id {first} is in the future (last step is {self.steps.last_id})", "from_step_id"
                 )
             check_retained(self.steps, first, "from_step_id", "resync with GetBlockTables")
-            registered = pb.WatchStepsRequest(worker_id=worker_id, from_step_id=first - 1, incarnation=incarnation)
+            registered = WorkerRegistered(worker_id, first - 1, incarnation)
             if self._register(registered, replaying=False):
-                self._journal(journal_pb2.JournalRecord(register_worker=registered))
+                self._journal(registered)
             self.workers.open_stream(worker_id, time.monotonic())
         return first
 
-    def _register(self, request: pb.WatchStepsRequest, replaying: bool) -> bool:
+    def _register(self, request: WorkerRegistered, replaying: bool) -> bool:
         """Register a worker (see `open_worker_stream`); returns whether anything changed (to journal).
         Holds the lock."""
         worker_id, incarnation = request.worker_id, request.incarnation
@@ -329,7 +330,7 @@ class Replica:
             )  # fmt: skip
         return True
 
-    def report_missing_kv(self, request: pb.ReportMissingKVRequest) -> Invalidation:
+    def report_missing_kv(self, report: MissingKVReport) -> Invalidation:
         """A registered worker does not hold these blocks filled, nor these requests' KV: they leave the
         prefix cache and the requests that would read them are lost (see `KVCacheManager.invalidate_blocks`).
 
@@ -338,40 +339,40 @@ class Replica:
         was dropped then); OutOfRangeError for a step never issued; InvalidArgumentError for another
         cause or a block id outside the pool.
         """
-        if not request.worker_id:
+        if not report.worker_id:
             raise InvalidArgumentError("worker_id must not be empty", "worker_id")
-        if request.cause not in _REPORTED_CAUSES:
+        if report.cause not in _REPORTED_CAUSES:
             raise InvalidArgumentError(
-                f"cause must be KV_LOSS_CAUSE_STEP_REFUSED or KV_LOSS_CAUSE_KV_MISSING, got {request.cause}", "cause"
+                f"cause must be KV_LOSS_CAUSE_STEP_REFUSED or KV_LOSS_CAUSE_KV_MISSING, got {report.cause}", "cause"
             )
         with self.mutating():
-            registered = self.workers.incarnation(request.worker_id)
-            if request.incarnation and registered and request.incarnation != registered:
+            registered = self.workers.incarnation(report.worker_id)
+            if report.incarnation and registered and report.incarnation != registered:
                 raise FailedPreconditionError(
-                    f"worker {request.worker_id!r} reports as incarnation {request.incarnation}, but incarnation "
+                    f"worker {report.worker_id!r} reports as incarnation {report.incarnation}, but incarnation "
                     f"{registered} has registered since; everything the older one held was dropped then",
                     "incarnation",
                 )
-            if request.step_id > self.manager.last_step_id:
+            if report.step_id > self.manager.last_step_id:
                 raise OutOfRangeError(
-                    f"step_id {request.step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
+                    f"step_id {report.step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
                 )
-            invalidation = self._apply_report(request)
-            self._journal(journal_pb2.JournalRecord(report_missing_kv=request))
+            invalidation = self._apply_report(report)
+            self._journal(MissingKVReported(report))
         if invalidation.num_uncached_blocks or invalidation.num_uncached_host_blocks or invalidation.lost_request_ids:
             log.info(
                 "worker %s reports KV missing at step %d (%s): %d cached blocks and %d host blocks dropped, "
-                "%d requests lost their KV", request.worker_id, request.step_id,
-                KVLossCause(request.cause).name, invalidation.num_uncached_blocks,
+                "%d requests lost their KV", report.worker_id, report.step_id,
+                KVLossCause(report.cause).name, invalidation.num_uncached_blocks,
                 invalidation.num_uncached_host_blocks, len(invalidation.lost_request_ids),
-                extra={"worker_id": request.worker_id, "step_id": request.step_id,
+                extra={"worker_id": report.worker_id, "step_id": report.step_id,
                        "request_ids": list(invalidation.lost_request_ids[:MAX_LOGGED_IDS])},
             )  # fmt: skip
         return invalidation
 
-    def _apply_report(self, request: pb.ReportMissingKVRequest) -> Invalidation:
+    def _apply_report(self, report: MissingKVReport) -> Invalidation:
         invalidation = self.manager.invalidate_blocks(
-            request.device_block_ids, request.host_block_ids, request.request_ids, KVLossCause(request.cause)
+            report.device_block_ids, report.host_block_ids, report.request_ids, KVLossCause(report.cause)
         )
         self._publish_events()
         return invalidation
@@ -381,20 +382,20 @@ class Replica:
         with self.lock:
             self.workers.close_stream(worker_id, time.monotonic())
 
-    def ack(self, request: pb.AckStepsRequest) -> None:
-        """A registered worker finished every step up to `request.step_id`: release what every worker has finished.
+    def ack(self, worker_id: str, step_id: int) -> None:
+        """A registered worker finished every step up to `step_id`: release what every worker has finished.
 
         FailedPreconditionError (field worker_id) for a worker that did not register with WatchSteps.
         """
-        if not request.worker_id:
+        if not worker_id:
             raise InvalidArgumentError("worker_id must not be empty", "worker_id")
         with self.mutating():
-            if request.step_id > self.manager.last_step_id:
+            if step_id > self.manager.last_step_id:
                 raise OutOfRangeError(
-                    f"step_id {request.step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
+                    f"step_id {step_id} was never issued (last is {self.manager.last_step_id})", "step_id"
                 )
-            self._ack(request)
-            self._journal(journal_pb2.JournalRecord(ack=request))
+            self._ack(worker_id, step_id)
+            self._journal(StepsAcked(worker_id, step_id))
 
     def unregister_worker(self, worker_id: str) -> None:
         """Drop a registered worker at once, releasing the copies only it held.
@@ -425,19 +426,19 @@ class Replica:
         with self.mutating():
             ok = self.manager.reset_prefix_cache()
             if ok:
-                self._journal(journal_pb2.JournalRecord(reset_prefix_cache=pb.ResetPrefixCacheRequest()))
+                self._journal(PrefixCacheReset())
             self._publish_events()
         return ok
 
-    def _ack(self, request: pb.AckStepsRequest) -> None:
-        self.workers.ack(request.worker_id, request.step_id, time.monotonic())
+    def _ack(self, worker_id: str, step_id: int) -> None:
+        self.workers.ack(worker_id, step_id, time.monotonic())
         self._release()
 
     def _drop_worker(self, worker_id: str, why: str | None) -> None:
         """Drop a registered worker, journal it, release what the others have all done, and log
         why (None: replaying, no line). Holds the lock."""
         self.workers.remove(worker_id)
-        self._journal(journal_pb2.JournalRecord(unregister_worker=pb.UnregisterWorkerRequest(worker_id=worker_id)))
+        self._journal(WorkerUnregistered(worker_id))
         manager = self.manager
         num_pending, num_pending_tier = len(manager.pending_copies()), len(manager.pending_tier_copies())
         self._release()
@@ -459,12 +460,12 @@ class Replica:
         else:
             self.tenancy.ack(self.manager, step_id)  # credits each tenant with its copies' blocks
 
-    def _journal(self, record: journal_pb2.JournalRecord) -> None:
+    def _journal(self, entry: Entry) -> None:
         """Write an accepted mutation to the journal. Holds the lock."""
         if self.journal is None:
             return
         try:
-            self.journal.append(record)
+            self.journal.append(journal_records.encode(entry))
         except OSError as error:
             if self._on_journal_failure is None:
                 raise
@@ -484,43 +485,41 @@ class Replica:
                 raise
             self._on_journal_failure(journal, error)
 
-    def _replay(self, records: Sequence[journal_pb2.JournalRecord]) -> None:
-        """Replay a journal's records (header excluded) into this fresh replica, in order."""
-        for record in records:
-            kind = record.WhichOneof("entry")
-            if kind == "step":
-                request = record.step.ops
-                ops, decode = convert.step_ops(request)
-                if request.idempotency_key:
+    def _replay(self, entries: Sequence[Entry]) -> None:
+        """Replay a journal's entries (header excluded) into this fresh replica, in order."""
+        for entry in entries:
+            kind = type(entry)
+            if kind is StepApplied:
+                if entry.key is not None:
                     # It was applied, so it is applied again (a key forgotten and reused since, under
                     # a smaller retention than now, must not be taken for a repeat), and remembered.
-                    self.step_keys.forget(request.idempotency_key)
-                    self.keyed_step(request, ops, decode, convert.step_response)
+                    self.step_keys.forget(entry.key.key)
+                    self.step(entry.ops, entry.decode, entry.key)
                 else:
-                    # A single-op call is journaled as a Step whose decode-shaped op may sit in the
-                    # decode columns, though it may have admitted its request: applied as allocate ops.
-                    self.step(ops + decode.as_ops() if decode is not None else ops)
-            elif kind == "ack":
+                    # Applied as allocate ops: the same state, and a format 3 single-op call's
+                    # one-token op in the decode columns may have admitted its request.
+                    ops, decode = entry.ops, entry.decode
+                    self.step(list(ops) + decode.as_ops() if decode is not None else ops)
+            elif kind is StepsAcked:
                 # A journal written before registration came only from WatchSteps holds
                 # acknowledgements of workers it never registered: they register here.
-                self.workers.register(record.ack.worker_id, 0, time.monotonic())
+                self.workers.register(entry.worker_id, 0, time.monotonic())
                 with self.lock:
-                    self._ack(record.ack)
-            elif kind == "register_worker":
+                    self._ack(entry.worker_id, entry.step_id)
+            elif kind is WorkerRegistered:
                 with self.lock:
-                    self._register(record.register_worker, replaying=True)
-            elif kind == "report_missing_kv":
+                    self._register(entry, replaying=True)
+            elif kind is MissingKVReported:
                 with self.lock:
-                    self._apply_report(record.report_missing_kv)
-            elif kind == "unregister_worker":
+                    self._apply_report(entry.report)
+            elif kind is WorkerUnregistered:
                 with self.lock:
-                    self._drop_worker(record.unregister_worker.worker_id, None)
-            elif kind == "reset_prefix_cache":
+                    self._drop_worker(entry.worker_id, None)
+            elif kind is PrefixCacheReset:
                 assert self.reset_prefix_cache(), "a journaled reset must succeed again"
-            elif kind == "snapshot":
-                restore_snapshot(self, record.snapshot)
             else:
-                raise ValueError(f"unexpected journal record {kind!r}")
+                assert kind is SnapshotTaken, entry
+                restore_snapshot(self, entry.snapshot)
 
     def _publish_stats(self) -> None:
         """Publish the figures `stats` returns, in one assignment so a reader sees one mutation's set."""

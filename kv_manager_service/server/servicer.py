@@ -1,13 +1,13 @@
 """The `KVManagerService` servicer: translation between `kvcache.v1` and one `Replica`, and caller scoping.
 
-Each handler turns its request into the core's types (`rpc.convert`), scopes
-it to its caller in multi-tenant mode (`Tenancy.scope_request`), asks the
-replica, and turns the answer back into a response. A caller mistake is a
+Each handler turns its request into values (`wire`), scopes it to its caller
+in multi-tenant mode (`Tenancy.scope_request`), asks the replica, and turns
+the answer back into a response: once on the way in, once on the way out. A caller mistake is a
 typed error, answered with its status by `_unary` and logged once; the
 error's field is said in the terms of the call that was made (`_wire_field`).
 State, locking, logs, the journal and quotas are the replica's.
 
-The server is a grpc.aio one (see rpc/aio.py), and the event loop never
+The server is a grpc.aio one (see shared/aio.py), and the event loop never
 waits for the replica's lock. A small call runs on the loop when the lock is
 free (most calls, on a server that is not saturated); a large one, or any
 call while the lock is taken, runs in the thread pool, where it may wait
@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from kv_manager_service.core.events import KVEvent
-from kv_manager_service.core.ops import Op, PrefixLookupKeys
+from kv_manager_service.shared.events import KVEvent
+from kv_manager_service.server.idempotency import StepKey, request_fingerprint
+from kv_manager_service.shared.ops import Op, PrefixLookupKeys, StepDelta
 from kv_manager_service.mirror.schema import ClusterUnavailableError, ReplicaTokens
-from kv_manager_service.rpc import convert
-from kv_manager_service.rpc.errors import InvalidArgumentError, KVCacheError, OutOfRangeError, PermissionDeniedError
-from kv_manager_service.rpc.logs import MAX_LOGGED_IDS
-from kv_manager_service.rpc.security import Principal, TokenTable
-from kv_manager_service.rpc.status import end_call, status_code
+from kv_manager_service import wire
+from kv_manager_service.shared.errors import InvalidArgumentError, KVCacheError, OutOfRangeError, PermissionDeniedError
+from kv_manager_service.shared.logs import MAX_LOGGED_IDS
+from kv_manager_service.shared.security import Principal, TokenTable
+from kv_manager_service.shared.status import end_call, status_code
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.server.replica import Replica, check_retained
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -49,7 +50,7 @@ log = logging.getLogger("kv_manager_service.server.servicer")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KVManagerService"]
 STREAMS_OF_BYTES = frozenset({"WatchSteps", "WatchEvents", "WatchEventBatches"})  # they yield serialized messages
-SERIALIZED_EVENTS_KEPT = 8192
+SERIALIZED_KEPT = 8192  # the last deltas and events sent, serialized, of each log
 DEFAULT_EVENTS_PER_MESSAGE = 1024
 _EVENTS_FIELD = b"\x0a"  # WatchEventBatchesResponse.events: field 1, wire type 2 (length-delimited)
 
@@ -114,7 +115,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         `pool`: the server's thread pool, for the work of coroutine handlers that may wait for the lock."""
         self.replica = replica
         self.pool = pool
-        self._events_sent: dict[int, bytes] = {}  # sequence -> serialized KVEvent, the newest SERIALIZED_EVENTS_KEPT
+        self._events_sent: dict[int, bytes] = {}  # sequence -> serialized KVEvent, the newest SERIALIZED_KEPT
+        self._deltas_sent: dict[int, bytes] = {}  # step id -> serialized StepDelta, the newest SERIALIZED_KEPT
         self.auth = auth
         self.tenancy = replica.tenancy
         self.cluster = cluster
@@ -164,28 +166,26 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
     @_unary()
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._scope(request, context)
-        return convert.allocate_response(self._step([convert.allocate_op(request)]))
+        return wire.allocate_response(self._step([wire.allocate_op(request)]))
 
     @_unary()
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         self._scope(request, context)
-        result = self._step([convert.free_op(request)])
+        result = self._step([wire.free_op(request)])
         return pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id)
 
     @_unary()
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
         self._scope(request, context)
-        return pb.ForkResponse(step_id=self._step([convert.fork_op(request)]).step_id)
+        return pb.ForkResponse(step_id=self._step([wire.fork_op(request)]).step_id)
 
     @_unary()
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         tenant = self._scope(request, context)
-        ops, decode = convert.step_ops(request)
+        ops, decode = wire.step_ops(request)
         try:
-            if request.idempotency_key:
-                response = self.replica.keyed_step(request, ops, decode, convert.step_response)
-            else:
-                response = convert.step_response(self.replica.step(ops, decode, request))
+            key = StepKey(request.idempotency_key, request_fingerprint(request)) if request.idempotency_key else None
+            response = wire.step_response(self.replica.step(ops, decode, key))
         except KVCacheError as error:
             error.field = _wire_field(error, len(ops), unary=False)
             raise
@@ -195,14 +195,14 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     @_unary()
     def AckSteps(self, request: pb.AckStepsRequest, context: grpc.ServicerContext) -> pb.AckStepsResponse:
-        self.replica.ack(request)
+        self.replica.ack(request.worker_id, request.step_id)
         return pb.AckStepsResponse()
 
     @_unary()
     def ReportMissingKV(
         self, request: pb.ReportMissingKVRequest, context: grpc.ServicerContext
     ) -> pb.ReportMissingKVResponse:
-        invalidation = self.replica.report_missing_kv(request)
+        invalidation = self.replica.report_missing_kv(wire.missing_kv_report(request))
         return pb.ReportMissingKVResponse(
             num_uncached_blocks=invalidation.num_uncached_blocks + invalidation.num_uncached_host_blocks,
             num_lost_requests=len(invalidation.lost_request_ids),
@@ -226,7 +226,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
     @_unary()
     def GetConfig(self, request: pb.GetConfigRequest, context: grpc.ServicerContext) -> pb.GetConfigResponse:
         replica = self.replica
-        return convert.config_response(
+        return wire.config_response(
             replica.manager.config, replica.replica_id, replica.incarnation, replica.limits.max_tokens_per_call
         )
 
@@ -241,13 +241,13 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             )
         token_ids = list(request.token_ids)
         salt = request.cache_salt or None
-        lora = convert.lora(request.lora_name, request.lora_path)
-        mm_features = convert.mm_features(request.mm_features)
+        lora = wire.lora(request.lora_name, request.lora_path)
+        mm_features = wire.mm_features(request.mm_features)
         if request.cluster and self.cluster is not None:
             hit, keys = self.replica.find_cache_hit_and_lookup_keys(token_ids, salt, lora, mm_features)
         else:
             hit, keys = self.replica.find_cache_hit(token_ids, salt, lora, mm_features), None
-        response = convert.cache_hit_response(hit)
+        response = wire.cache_hit_response(hit)
         if request.cluster:
             replicas = [ReplicaTokens(self.replica.replica_id, hit.num_cached_tokens, hit.num_host_cached_tokens)]
             if keys is not None:
@@ -289,7 +289,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         tables, pending, step_id = self.replica.block_tables(list(request.request_ids), owned)
         response = pb.GetBlockTablesResponse(step_id=step_id)
         for table in tables:
-            convert.block_table(table, response.tables.add())
+            wire.block_table(table, response.tables.add())
         for pending_copy in pending:
             response.pending_copies.add(
                 step_id=pending_copy.step_id,
@@ -302,7 +302,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
     @_unary()
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         stats, last_step_id, last_event_sequence, host_tier = self.replica.stats()
-        response = convert.stats_response(stats, host_tier)
+        response = wire.stats_response(stats, host_tier)
         response.last_step_id = last_step_id
         response.last_event_sequence = last_event_sequence
         metrics = self.mirror_metrics
@@ -323,8 +323,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
 
     # -- streams -------------------------------------------------------------------
 
-    # The streams send bytes: the step log holds each delta serialized, and an event is serialized once
-    # for every watcher (see `add_to_server`). Each watcher of a 256-request decode step is sent ~40 KB.
+    # The streams send bytes: a delta or an event is serialized once for every follower (see
+    # `add_to_server`). Each watcher of a 256-request decode step is sent ~40 KB.
 
     async def WatchSteps(self, request: pb.WatchStepsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         try:
@@ -333,8 +333,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             )
             try:
                 async for batch in _follow(self.replica.steps, first, "from_step_id"):
-                    for _, delta in batch:
-                        yield delta
+                    for step_id, delta in batch:
+                        yield self._serialized_delta(step_id, delta)
             finally:
                 self._close_worker_stream(request.worker_id)
         except KVCacheError as error:
@@ -372,13 +372,23 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             log_rejected("WatchEventBatches", request, error)
             end_call(context, error)
 
+    def _serialized_delta(self, step_id: int, delta: StepDelta) -> bytes:
+        """Step `step_id`'s delta as a StepDelta message's bytes, made once for every worker (on the event loop)."""
+        serialized = self._deltas_sent.get(step_id)
+        if serialized is None:
+            serialized = wire.step_delta(delta).SerializeToString()
+            if len(self._deltas_sent) >= SERIALIZED_KEPT:
+                del self._deltas_sent[next(iter(self._deltas_sent))]  # the oldest
+            self._deltas_sent[step_id] = serialized
+        return serialized
+
     def _serialized_event(self, sequence: int, event: KVEvent) -> bytes:
         """Event `sequence` as a KVEvent message's bytes, made once for every watcher (on the event loop)."""
         serialized = self._events_sent.get(sequence)
         if serialized is None:
             replica = self.replica
-            serialized = convert.kv_event(event, sequence, replica.replica_id, replica.incarnation).SerializeToString()
-            if len(self._events_sent) >= SERIALIZED_EVENTS_KEPT:
+            serialized = wire.kv_event(event, sequence, replica.replica_id, replica.incarnation).SerializeToString()
+            if len(self._events_sent) >= SERIALIZED_KEPT:
                 del self._events_sent[next(iter(self._events_sent))]  # the oldest
             self._events_sent[sequence] = serialized
         return serialized

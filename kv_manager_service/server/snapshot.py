@@ -2,7 +2,7 @@
 
 The snapshot holds what the journal's records would rebuild: the core
 (`core.state`), the registered workers and their acknowledgements, the
-memory of keyed Steps, the tenants' accounting and the event sequence. The
+memory of keyed Steps (each result as the StepResponse it answers), the tenants' accounting and the event sequence. The
 step and event logs are not kept: a restored replica's logs start empty,
 numbered on from the snapshot's last step and event, so a worker behind
 them resyncs with GetBlockTables and a watcher of events with the mirror's
@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from kv_manager_service.core import KVLossCause, LoraRef, MMFeature
-from kv_manager_service.core.hashing import BlockHash, HashExtras
+from kv_manager_service.core.hashing import HashExtras
 from kv_manager_service.core.state import CoreState, HostTierState, RequestSnapshot, restore_state
-from kv_manager_service.rpc import convert
+from kv_manager_service import wire
 from kv_manager_service.server.tenancy import TenantUsage
-from kvcache.v1 import journal_pb2 as jpb
+from kv_manager_service.shared.hash_types import BlockHash, LoraRef, MMFeature
+from kv_manager_service.shared.ops import KVLossCause
+from kvcache.journal.v1 import journal_pb2 as jpb
 from kvcache.v1 import kv_manager_pb2 as pb
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ def take_snapshot(replica: Replica) -> jpb.JournalSnapshot:
     snapshot.last_event_sequence = replica.events.last_id
     for worker_id, (acked_step_id, incarnation) in replica.workers.acks_and_incarnations().items():
         snapshot.workers.add(worker_id=worker_id, acked_step_id=acked_step_id, incarnation=incarnation)
-    for key, fingerprint, response in replica.step_keys.items():
+    for key, fingerprint, result in replica.step_keys.items():
+        response = wire.step_response(result).SerializeToString()
         snapshot.step_keys.add(idempotency_key=key, request_sha256=fingerprint, response=response)
     if replica.tenancy is not None:
         for tenant, u in replica.tenancy.usage.items():
@@ -65,7 +67,8 @@ def restore_snapshot(replica: Replica, snapshot: jpb.JournalSnapshot) -> None:
     for worker in snapshot.workers:
         replica.workers.register(worker.worker_id, worker.acked_step_id, now, worker.incarnation)
     for entry in snapshot.step_keys:
-        replica.step_keys.put(entry.idempotency_key, entry.request_sha256, entry.response)
+        result = wire.step_result_from(pb.StepResponse.FromString(entry.response))
+        replica.step_keys.put(entry.idempotency_key, entry.request_sha256, result)
     if replica.tenancy is not None:
         usage = {
             t.tenant: TenantUsage(
@@ -93,7 +96,7 @@ def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
         prefix_cache_hits=state.prefix_cache_hits,
         num_evictions=state.num_evictions,
         host_tier=_host_tier_to_proto(state.host_tier) if state.host_tier is not None else None,
-        kv_losses=[convert.kv_loss_count(count) for count in state.kv_losses],
+        kv_losses=[wire.kv_loss_count(count) for count in state.kv_losses],
     )
 
 
@@ -110,7 +113,7 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         message.prefix_cache_hits,
         message.num_evictions,
         _host_tier_from_proto(message.host_tier) if message.HasField("host_tier") else None,
-        tuple(convert.kv_loss_count_from(count) for count in message.kv_losses),
+        tuple(wire.kv_loss_count_from(count) for count in message.kv_losses),
     )
 
 

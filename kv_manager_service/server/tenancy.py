@@ -61,8 +61,8 @@ from kv_manager_service.core import (
     KVCacheManager,
     StepResult,
 )
-from kv_manager_service.core.ops import DecodeBatch, Op
-from kv_manager_service.rpc.security import TokenTable
+from kv_manager_service.shared.ops import DecodeBatch, Op
+from kv_manager_service.shared.security import TokenTable
 from kvcache.v1 import kv_manager_pb2 as pb
 
 SEPARATOR = "/"

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_manager_service.core.ops import KVLossCause
-from kv_manager_service.rpc.errors import FailedPreconditionError
+from kv_manager_service.shared.ops import KVLossCause
+from kv_manager_service.shared.errors import FailedPreconditionError
 
 
 @dataclass

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from kv_manager_service.core.block_pool import BlockPool
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def h(name: str) -> bytes:

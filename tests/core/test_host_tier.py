@@ -20,7 +20,7 @@ from kv_manager_service.core import (
 )
 from kv_manager_service.core.hashing import NO_EXTRAS
 from kv_manager_service.core.host_tier import HostBlock
-from kv_manager_service.core.ops import TierCopy
+from kv_manager_service.shared.ops import TierCopy
 
 BLOCK_SIZE = 2
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # four full blocks

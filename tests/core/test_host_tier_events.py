@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kv_manager_service.core import AllocateOp, FreeOp, GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kv_manager_service.core.hashing import NO_EXTRAS
 
 BLOCK_SIZE = 2

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from kv_manager_service.cli.main import main
-from kv_manager_service.cli.replay import ReplayConfig, ReplayResult, replay
+from kv_tooling.replay import ReplayConfig, ReplayResult, replay
 from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
-from kv_manager_service.workload import TokenExpander, load_trace
+from kv_tooling.workload import TokenExpander, load_trace
 
 EXCERPT = Path(__file__).parents[1] / "data" / "mooncake_excerpt.jsonl"
 SCALE = 1 / 32  # 16 tokens per trace block: four 4-token KV blocks

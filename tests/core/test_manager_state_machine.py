@@ -58,7 +58,7 @@ from kv_manager_service.core import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.block_queue import KVCacheBlock
-from kv_manager_service.core.events import Tier
+from kv_manager_service.shared.events import Tier
 from kv_manager_service.core.groups import cdiv
 from kv_manager_service.core.hashing import BlockHasher, HashExtras
 

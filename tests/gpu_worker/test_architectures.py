@@ -34,7 +34,7 @@ from gpu_worker.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConf
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledRequest
 from gpu_worker.sampling import GREEDY
 from gpu_worker.weights import load_safetensors
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as pb
 
 transformers.utils.logging.disable_progress_bar()

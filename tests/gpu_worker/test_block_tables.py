@@ -7,7 +7,7 @@ import torch
 
 from gpu_worker.block_tables import BlockTables
 from gpu_worker.staging import Staging
-from kv_manager_service.rpc.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
+from kv_manager_service.shared.errors import FailedPreconditionError, RequestExistsError, RequestNotFoundError
 
 CPU = torch.device("cpu")
 

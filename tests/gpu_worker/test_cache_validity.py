@@ -23,8 +23,8 @@ from e2e_support import DenseOracle, Stack, launch_worker, start_stack, stop_sta
 from processes import check_clean_exit
 
 from kv_manager_service.client import AllocateOp, FreeOp, KVLossCause, KVManagerClient
-from kv_manager_service.rpc.errors import KVCacheError
-from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_manager_service.shared.errors import KVCacheError
+from kv_tooling.launch import LaunchedProcess
 from reference_scheduler import ReferenceScheduler, WorkerClient
 from reference_scheduler.scheduler import Request
 

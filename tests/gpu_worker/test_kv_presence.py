@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gpu_worker.kv_presence import KVPresence, MissingKV, TokenSpan, UnfilledKVError
-from kv_manager_service.rpc.errors import KVMissingError
+from kv_manager_service.shared.errors import KVMissingError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 BLOCK_SIZE = 4

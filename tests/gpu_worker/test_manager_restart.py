@@ -16,7 +16,7 @@ import time
 
 from e2e_support import DenseOracle
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from processes import free_port, launch, stop_all
 from reference_scheduler import ReferenceScheduler, SchedulerConfig, WorkerClient
 

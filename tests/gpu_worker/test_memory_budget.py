@@ -25,7 +25,7 @@ from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import BUILTIN_MODELS, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
 from gpu_worker.weights import random_weights
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 
 GiB = 2**30
 LLAMA_1B = BUILTIN_MODELS["llama-3.2-1b"]

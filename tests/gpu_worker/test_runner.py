@@ -18,7 +18,7 @@ from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledReque
 from gpu_worker.sampling import GREEDY, SamplingParams, choose
 from gpu_worker.staging import Staging
 from gpu_worker.weights import random_weights
-from kv_manager_service.rpc.errors import FailedPreconditionError, InvalidArgumentError, KVMissingError
+from kv_manager_service.shared.errors import FailedPreconditionError, InvalidArgumentError, KVMissingError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 CPU = torch.device("cpu")

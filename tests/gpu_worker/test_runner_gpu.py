@@ -19,7 +19,7 @@ from gpu_worker.model_config import BUILTIN_MODELS
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledRequest
 from gpu_worker.sampling import GREEDY, SamplingParams, choose
 from gpu_worker.weights import random_weights
-from kv_manager_service.rpc.errors import FailedPreconditionError
+from kv_manager_service.shared.errors import FailedPreconditionError
 from kvcache.v1 import kv_manager_pb2 as pb
 from devices import DEVICE
 

@@ -25,7 +25,7 @@ from gpu_worker.model_config import BUILTIN_MODELS
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
 from gpu_worker.server import pool_shape
 from gpu_worker.weights import random_weights
-from kv_manager_service.rpc.errors import FailedPreconditionError
+from kv_manager_service.shared.errors import FailedPreconditionError
 from kvcache.v1 import kv_manager_pb2 as pb
 
 CPU = torch.device("cpu")

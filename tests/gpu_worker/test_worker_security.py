@@ -25,8 +25,8 @@ from processes import launch, stop_all
 from gpu_worker.sampling import GREEDY
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateOp, AllocateStatus
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
-from kv_manager_service.rpc.security import ClientTLS
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
+from kv_manager_service.shared.security import ClientTLS
 from reference_scheduler.worker_client import Scheduled, WorkerClient
 
 MODEL = "tiny"

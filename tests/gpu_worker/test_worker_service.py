@@ -18,8 +18,8 @@ from gpu_worker.sampling import GREEDY
 from gpu_worker.kv_reports import MissingKVReporter
 from kv_manager_service.client import KVManagerClient, RetryPolicy
 from kv_manager_service.core import AllocateOp, AllocateStatus, FreeOp, KVLossCause
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
-from kv_manager_service.rpc.status import error_info
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.status import error_info
 from kvcache.v1 import kv_manager_pb2 as manager_pb
 from kvcache.v1 import kv_manager_pb2_grpc as manager_pb_grpc
 from kvcache.v1 import worker_pb2 as pb

@@ -4,7 +4,7 @@ Nothing here fakes Redis: `RedisServer` runs the `redis-server` binary on a
 free port (no persistence, so a SIGKILL loses everything, as a crashed
 cache would), and `ReplicaFactory` starts `kv-manager serve` subprocesses
 exactly as a user would, reading stdout until the ready line. Both start
-their processes with `kv_manager_service.rpc.launch` (through `processes`).
+their processes with `kv_tooling.launch` (through `processes`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import grpc
 import redis
 from redis.cluster import ClusterNode
 
-from kv_manager_service.rpc.launch import LaunchedProcess, free_cluster_port, launch_redis_cluster
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_tooling.launch import LaunchedProcess, free_cluster_port, launch_redis_cluster
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
 from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm

@@ -17,7 +17,7 @@ from redis.crc import key_slot
 
 from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.connect import DeferredRedis, RedisEndpoint, connect
-from kv_manager_service.rpc.launch import free_cluster_port, free_port, launch_redis, launch_redis_cluster
+from kv_tooling.launch import free_cluster_port, free_port, launch_redis, launch_redis_cluster
 from mirror_support import REDIS_SERVER
 
 

@@ -15,11 +15,11 @@ from typing import Iterator
 
 import pytest
 
-from kv_manager_service.core.events import BlockRemoved, BlockStored, Tier
+from kv_manager_service.shared.events import BlockRemoved, BlockStored, Tier
 from kv_manager_service.mirror.connect import RedisEndpoint, connect_now
 from kv_manager_service.mirror.lookup import HOST_HIT_WEIGHT, ClusterIndex, ReplicaPrefix, choose_replica
 from kv_manager_service.mirror.schema import KeySchema, Lease
-from kv_manager_service.rpc import convert
+from kv_manager_service import wire
 from kvcache.v1 import kv_manager_pb2 as pb
 from mirror_support import BLOCK_SIZE, CALL_TIMEOUT_S, CONVERGE_TIMEOUT_S, ManagerProcess, block_hashes, prompt, wait_until
 
@@ -174,12 +174,12 @@ def test_an_exact_tie_of_scores_goes_to_the_least_loaded_as_before():
 
 def test_a_device_event_is_sent_as_before_and_a_host_event_names_its_tier():
     block_hash = bytes(range(32))
-    device = convert.kv_event(BlockStored(0, (block_hash,), None, 16), 1, "replica-a", 7)
+    device = wire.kv_event(BlockStored(0, (block_hash,), None, 16), 1, "replica-a", 7)
     before = pb.KVEvent(sequence=1, replica_id="replica-a", incarnation=7)
     before.block_stored.block_hashes.append(block_hash)
     before.block_stored.group_id, before.block_stored.block_size = 0, 16
     assert device.SerializeToString() == before.SerializeToString()
-    stored = convert.kv_event(BlockStored(0, (block_hash,), None, 0, Tier.HOST), 2, "replica-a", 7)
-    removed = convert.kv_event(BlockRemoved(0, (block_hash,), Tier.HOST), 3, "replica-a", 7)
+    stored = wire.kv_event(BlockStored(0, (block_hash,), None, 0, Tier.HOST), 2, "replica-a", 7)
+    removed = wire.kv_event(BlockRemoved(0, (block_hash,), Tier.HOST), 3, "replica-a", 7)
     assert stored.block_stored.tier == removed.block_removed.tier == pb.TIER_HOST
-    assert convert.kv_event(BlockRemoved(0, (block_hash,)), 4, "replica-a", 7).block_removed.tier == pb.TIER_UNSPECIFIED
+    assert wire.kv_event(BlockRemoved(0, (block_hash,)), 4, "replica-a", 7).block_removed.tier == pb.TIER_UNSPECIFIED

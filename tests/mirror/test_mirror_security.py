@@ -36,7 +36,7 @@ from processes import launch, stop_all
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
 from kv_manager_service.core.hashing import BlockHasher, HashAlgorithm, HashExtras
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 
 PASSWORD = "redis-pw-Tq8zL3vN"
 SECRET = "mirror-deployment-secret-7c2e"

@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from kv_manager_service.broadcast_log import BroadcastLog
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kv_manager_service.mirror import bulk
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
 from kv_manager_service.mirror.publisher_process import PublisherProcess

@@ -15,14 +15,15 @@ from e2e_support import start_stack, stop_stack
 from processes import ROOT
 
 from kv_manager_service.cli.main import make_parser
-from kv_manager_service.cli.replay import ReplayConfig, replay
+from kv_tooling.replay import ReplayConfig, replay
 from kv_manager_service.core import KVCacheManager
-from kv_manager_service.core.config import KVCacheConfig
-from kv_manager_service.workload import TokenExpander, load_trace
+from kv_manager_service.shared.config import KVCacheConfig
+from kv_tooling.workload import TokenExpander, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import worker_pb2
-from reference_scheduler.demo import DEFAULT_TRACE, _banner, tier_block_bytes, trace_start
-from reference_scheduler.demo_report import REPORT_UNITS, TIER_UNITS, Report, Sample, TierReport, build_figure
+from kv_tooling.workload import DEFAULT_TRACE
+from kv_tooling.demo import _banner, tier_block_bytes, trace_start
+from kv_tooling.demo_report import REPORT_UNITS, TIER_UNITS, Report, Sample, TierReport, build_figure
 
 REPORT_FIELDS = {
     "trace_file", "trace_start_index", "num_requests", "num_completed", "prefix_hit_rate", "num_prefix_hit_tokens",

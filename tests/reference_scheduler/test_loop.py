@@ -6,8 +6,8 @@ from typing import Sequence
 
 import pytest
 
-from kv_manager_service.cli.in_process import InProcessManager
-from kv_manager_service.cli.replay import SampledTokenWorker
+from kv_tooling.in_process import InProcessManager
+from kv_tooling.replay import SampledTokenWorker
 from kv_manager_service.client import AllocateOp, AllocateResult, Op, StepResult
 from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
 from reference_scheduler import ReferenceScheduler, RequestTooLargeError, SchedulerConfig, SchedulerError

@@ -18,11 +18,11 @@ from typing import Callable, Sequence
 import grpc
 import pytest
 
-from kv_manager_service.cli.in_process import InProcessManager
+from kv_tooling.in_process import InProcessManager
 from kv_manager_service.client import AllocateResult, AllocateStatus, KVLossCause, Op, StepResult
 from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
-from kv_manager_service.rpc.errors import InvalidArgumentError, KVMissingError
-from kv_manager_service.rpc.status import end_call
+from kv_manager_service.shared.errors import InvalidArgumentError, KVMissingError
+from kv_manager_service.shared.status import end_call
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
 from reference_scheduler import ReferenceScheduler, Scheduled, SchedulerConfig, SchedulerError, WorkerClient

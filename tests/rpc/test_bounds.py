@@ -6,8 +6,8 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2
 
-from kv_manager_service.rpc import bounds
-from kv_manager_service.rpc.bounds import MAX_ID_CHARS, MAX_IDS_PER_LIST, MAX_NAME_CHARS, MAX_PATH_CHARS
+from kv_manager_service.shared import bounds
+from kv_manager_service.shared.bounds import MAX_ID_CHARS, MAX_IDS_PER_LIST, MAX_NAME_CHARS, MAX_PATH_CHARS
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import worker_pb2 as worker_pb
 

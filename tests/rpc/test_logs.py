@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kv_manager_service.rpc.logs import (
+from kv_manager_service.shared.logs import (
     MAX_LOGGED_IDS,
     MAX_LOGGED_MESSAGE_CHARS,
     MAX_LOGGED_TRACEBACK_CHARS,

@@ -7,8 +7,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kv_manager_service.rpc.errors import RequestNotFoundError
-from kv_manager_service.rpc.status import MAX_STATUS_MESSAGE_BYTES, end_call, error_info, short_message
+from kv_manager_service.shared.errors import RequestNotFoundError
+from kv_manager_service.shared.status import MAX_STATUS_MESSAGE_BYTES, end_call, error_info, short_message
 
 METHOD = "/kvcache.test.Probe/Fail"
 

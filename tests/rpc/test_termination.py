@@ -17,7 +17,7 @@ from processes import ROOT
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, threading
-    from kv_manager_service.rpc.termination import TerminationSignals
+    from kv_manager_service.shared.termination import TerminationSignals
 
     signals = TerminationSignals()
     held = threading.Lock()
@@ -40,7 +40,7 @@ def test_the_wait_returns_the_signal_received_while_a_lock_is_held(name):
 
 
 def test_the_previous_handlers_come_back():
-    from kv_manager_service.rpc.termination import TerminationSignals
+    from kv_manager_service.shared.termination import TerminationSignals
 
     before = signal.getsignal(signal.SIGTERM)
     signals = TerminationSignals()
@@ -54,7 +54,7 @@ def test_exit_now_ends_the_process_with_its_code_after_flushing_logs_and_stdout(
         [sys.executable, "-c", textwrap.dedent(
             """
             import logging, sys
-            from kv_manager_service.rpc.termination import exit_now
+            from kv_manager_service.shared.termination import exit_now
             logging.basicConfig(stream=sys.stderr)
             logging.getLogger("t").warning("last words")
             print("buffered", end="")

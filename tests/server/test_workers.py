@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_manager_service.rpc.errors import FailedPreconditionError
+from kv_manager_service.shared.errors import FailedPreconditionError
 from kv_manager_service.server.workers import WorkerLease, WorkerRegistry
 
 

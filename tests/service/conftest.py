@@ -17,8 +17,8 @@ import pytest
 from processes import launch, stop_all
 from svc_support import pool_config, write_config
 
-from kv_manager_service.rpc.launch import LaunchedProcess
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_tooling.launch import LaunchedProcess
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 
 
 class ServerFactory:

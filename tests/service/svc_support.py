@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Sequence
 import cbor2
 import grpc
 
-from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
+from kv_manager_service.shared.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 

@@ -13,7 +13,7 @@ import pytest
 
 from kv_manager_service.client import KVManagerClient, RetryPolicy
 from kv_manager_service.core import AllocateOp, FreeOp
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from processes import free_port, launch, stop_all
 from svc_support import CALL_TIMEOUT_S, LostResponse, connect, pool_config, stats, tables, write_config
 

@@ -27,7 +27,7 @@ from svc_support import (
     stream_error,
 )
 
-from kv_manager_service.rpc.bounds import MAX_ID_CHARS
+from kv_manager_service.shared.bounds import MAX_ID_CHARS
 from kvcache.v1 import kv_manager_pb2 as pb
 
 HUGE = "x" * (1 << 20)

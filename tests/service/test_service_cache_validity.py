@@ -30,7 +30,7 @@ from svc_support import (
 )
 
 from kv_manager_service.client import AllocateOp, KVLossCause, KVManagerClient
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import free_port, launch, stop_all
 

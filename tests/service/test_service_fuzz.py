@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig
 from kv_manager_service.server.process import ServerOptions, start_server
-from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
+from kv_manager_service.shared.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from svc_support import CALL_TIMEOUT_S, connect, read_steps, register_worker, snapshot

@@ -13,7 +13,7 @@ from typing import Any
 
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import CacheHit
-from kv_manager_service.rpc.launch import LaunchedProcess
+from kv_tooling.launch import LaunchedProcess
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import stop_all
 from svc_support import alloc, connect, pool_config, read_steps, register_worker, stats

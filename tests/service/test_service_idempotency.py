@@ -19,9 +19,10 @@ import pytest
 
 from kv_manager_service.client import KVManagerClient, RetryPolicy
 from kv_manager_service.core import AllocateOp, FailedPreconditionError
-from kv_manager_service.rpc.errors import IdempotencyKeyReusedError
+from kv_manager_service.shared.errors import IdempotencyKeyReusedError
 from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
 from kv_manager_service.server.replica import ServiceLimits
+from kv_manager_service.shared.ops import StepResult
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from svc_support import (
@@ -298,9 +299,9 @@ def test_step_keys_remember_the_last_retention_keys_and_refuse_a_reused_one():
     requests = {name: pb.StepRequest(ops=[op_alloc(name, [1])], idempotency_key=name) for name in ("a", "b", "c")}
     for name, request in requests.items():
         assert keys.get(name, request_fingerprint(request)) is None
-        keys.put(name, request_fingerprint(request), name.encode())
+        keys.put(name, request_fingerprint(request), StepResult(ord(name), ()))
     assert len(keys) == 2 and "a" not in keys
-    assert keys.get("c", request_fingerprint(requests["c"])) == b"c"
+    assert keys.get("c", request_fingerprint(requests["c"])) == StepResult(ord("c"), ())
     with pytest.raises(IdempotencyKeyReusedError):
         keys.get("c", request_fingerprint(requests["b"]))
     with pytest.raises(ValueError):

@@ -15,8 +15,8 @@ import zlib
 import pytest
 
 from kv_manager_service.server.journal import _FRAME, Journal, JournalError
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX
-from kvcache.v1 import journal_pb2
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
+from kvcache.journal.v1 import journal_pb2
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import free_port, launch, stop_all
 from svc_support import alloc, connect, op_alloc, op_free, pool_config, read_steps, snapshot, step_request, write_config
@@ -112,13 +112,13 @@ def test_a_torn_last_record_is_cut_and_damage_before_it_is_refused(tmp_path):
     path = tmp_path / "j.journal"
     journal = Journal.open(path, "r", "{}")
     for step_id in (1, 2, 3):
-        journal.append(journal_pb2.JournalRecord(ack=pb.AckStepsRequest(worker_id="w", step_id=step_id)))
+        journal.append(journal_pb2.JournalRecord(ack=journal_pb2.StepsAcked(worker_id="w", step_id=step_id)))
     journal.close()
     whole = path.read_bytes()
     path.write_bytes(whole[:-3])  # the process died in the middle of the last write
     reopened = Journal.open(path, "r", "{}")
     assert [r.ack.step_id for r in reopened.records] == [1, 2]
-    reopened.append(journal_pb2.JournalRecord(ack=pb.AckStepsRequest(worker_id="w", step_id=4)))
+    reopened.append(journal_pb2.JournalRecord(ack=journal_pb2.StepsAcked(worker_id="w", step_id=4)))
     reopened.close()
     assert [r.ack.step_id for r in Journal.open(path, "r", "{}").records] == [1, 2, 4]
 
@@ -267,7 +267,7 @@ def test_a_journal_of_another_replica_is_refused_before_its_torn_tail_is_cut(tmp
 
 
 def ack_record(step_id: int) -> journal_pb2.JournalRecord:
-    return journal_pb2.JournalRecord(ack=pb.AckStepsRequest(worker_id="w", step_id=step_id))
+    return journal_pb2.JournalRecord(ack=journal_pb2.StepsAcked(worker_id="w", step_id=step_id))
 
 
 def test_a_compaction_that_cannot_write_its_file_leaves_the_journal_as_it_was(tmp_path):
@@ -294,12 +294,12 @@ def test_a_compaction_that_cannot_write_its_file_leaves_the_journal_as_it_was(tm
     assert reopened.records[0].snapshot.last_event_sequence == 7 and reopened.records[1].ack.step_id == 3
 
 
-def test_a_journal_in_format_2_is_read_and_a_newer_format_is_refused(tmp_path):
+def test_journals_in_formats_2_and_3_are_read_and_a_newer_format_is_refused(tmp_path):
     path = tmp_path / "j.journal"
     journal = Journal.open(path, "r", "{}")
     journal.append(ack_record(1))
     journal.close()
-    for version, readable in ((2, True), (4, False)):
+    for version, readable in ((2, True), (3, True), (5, False)):
         data = bytearray(path.read_bytes())
         header = journal_pb2.JournalRecord(
             header=journal_pb2.JournalHeader(format_version=version, replica_id="r", pool="{}")
@@ -311,5 +311,5 @@ def test_a_journal_in_format_2_is_read_and_a_newer_format_is_refused(tmp_path):
         if readable:
             assert [r.ack.step_id for r in Journal.open(path, "r", "{}").records] == [1]
         else:
-            with pytest.raises(JournalError, match="format version 4, this manager reads 2 and 3: a newer manager"):
+            with pytest.raises(JournalError, match="format version 5, this manager reads 2, 3 and 4: a newer manager"):
                 Journal.open(path, "r", "{}")

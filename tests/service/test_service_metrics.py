@@ -35,8 +35,8 @@ from svc_support import (
 )
 
 from kv_manager_service.core import KVCacheConfig
-from kv_manager_service.rpc.launch import LaunchedProcess
-from kv_manager_service.rpc.logs import JsonFormatter
+from kv_tooling.launch import LaunchedProcess
+from kv_manager_service.shared.logs import JsonFormatter
 from kv_manager_service.server.process import ServerOptions, start_server
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc

@@ -24,8 +24,8 @@ from svc_support import pool_config
 
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
-from kv_manager_service.rpc.launch import LaunchedProcess
-from kv_manager_service.rpc.security import ClientTLS
+from kv_tooling.launch import LaunchedProcess
+from kv_manager_service.shared.security import ClientTLS
 
 TENANT_TOKEN = "acme-token-Wq4Zr8Tn2Lb6Xv"
 OTHER_TENANT_TOKEN = "globex-token-Jd3Hs7Pk1Mc5"

@@ -25,7 +25,7 @@ from svc_support import chain_hashes, pool_config, register_worker, snapshot, ta
 
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus, FreeOp, RequestNotFoundError
-from kv_manager_service.core.ops import AllocateOp
+from kv_manager_service.shared.ops import AllocateOp
 from kvcache.v1 import kv_manager_pb2 as pb
 
 SECRET = b"the-deployment-secret-5f1c0e9a"

@@ -20,8 +20,8 @@ from svc_support import CALL_TIMEOUT_S, alloc, pool_config, rpc_error, snapshot,
 
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus
-from kv_manager_service.rpc.security import ClientTLS, Role, TokenTable, load_token_file
-from kv_manager_service.rpc.status import ERROR_DOMAIN, error_info
+from kv_manager_service.shared.security import ClientTLS, Role, TokenTable, load_token_file
+from kv_manager_service.shared.status import ERROR_DOMAIN, error_info
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 

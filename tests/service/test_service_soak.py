@@ -1,6 +1,6 @@
 """A short soak: three trace-driven schedulers against one server process for a few seconds.
 
-The schedulers (`reference_scheduler.soak`, the load of `bench/soak_bench.py`,
+The schedulers (`kv_tooling.soak`, the load of `bench/soak_bench.py`,
 here in threads) admit Mooncake prompts, decode them in columnar Steps, fork,
 abort and free, and preempt on NO_SPACE; the pool (255 usable blocks) is far
 smaller than three full batches (3 x 16 requests of ~12 blocks), so NO_SPACE
@@ -22,7 +22,7 @@ from processes import check_clean_exit
 from svc_support import pool_config
 
 from kv_manager_service.client import KVManagerClient
-from reference_scheduler.soak import LatencyBucket, SoakConfig, SoakCounters, run_soak, settle, trace_requests
+from kv_tooling.soak import LatencyBucket, SoakConfig, SoakCounters, run_soak, settle, trace_requests
 
 NUM_SCHEDULERS = 3
 NUM_BLOCKS = 256  # 255 usable

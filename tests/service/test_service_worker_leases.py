@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kv_manager_service.client import KVManagerClient, WorkerStatus
-from kv_manager_service.rpc import errors as core_errors
+from kv_manager_service.shared import errors as core_errors
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from processes import log_records, stop_all

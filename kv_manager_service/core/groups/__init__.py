@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kv_manager_service.core.block_pool import BlockPool
-from kv_manager_service.core.config import GroupKind, GroupSpec
+from kv_manager_service.shared.config import GroupKind, GroupSpec
 from kv_manager_service.core.groups.base import GroupManager, cdiv
 from kv_manager_service.core.groups.chunked_local import ChunkedLocalManager
 from kv_manager_service.core.groups.cross_attention import CrossAttentionManager

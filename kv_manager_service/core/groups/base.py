@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from kv_manager_service.core.block_pool import BlockPool
 from kv_manager_service.core.block_queue import KVCacheBlock
-from kv_manager_service.core.config import GroupSpec
+from kv_manager_service.shared.config import GroupSpec
 from kv_manager_service.core.hashing import BlockHash
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Sequence, Union
 
-from kv_manager_service.core.hashing import BlockHash, LoraRef, MMFeature
+from kv_manager_service.shared.hash_types import BlockHash, LoraRef, MMFeature
 
 
 class AllocateStatus(enum.IntEnum):
@@ -40,6 +40,18 @@ class Invalidation(NamedTuple):
     num_uncached_blocks: int
     num_uncached_host_blocks: int
     lost_request_ids: tuple[str, ...]
+
+
+class MissingKVReport(NamedTuple):
+    """A worker's report that it does not hold KV the manager counts as computed (ReportMissingKV)."""
+
+    worker_id: str
+    incarnation: int  # as the worker registered; 0: not said
+    step_id: int  # the step the worker was about to run
+    cause: KVLossCause  # STEP_REFUSED or KV_MISSING
+    device_block_ids: tuple[int, ...]
+    host_block_ids: tuple[int, ...]
+    request_ids: tuple[str, ...]
 
 
 class BlockCopy(NamedTuple):

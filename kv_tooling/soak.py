@@ -43,8 +43,8 @@ from kv_manager_service.client import (
     Op,
     StepResult,
 )
-from kv_manager_service.rpc.errors import FailedPreconditionError
-from kv_manager_service.workload import TokenExpander, load_trace, scaled_length
+from kv_manager_service.shared.errors import FailedPreconditionError
+from kv_tooling.workload import TokenExpander, load_trace, scaled_length
 from kvcache.v1 import kv_manager_pb2 as pb
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
 from reference_scheduler.scheduler import ReferenceScheduler, Sampling, SchedulerConfig

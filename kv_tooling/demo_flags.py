@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kv_manager_service.rpc.arg_types import fraction, positive_int
+from kv_manager_service.shared.arg_types import fraction, non_negative_int, positive_int
 
 # The project's trace opens with requests that share little (5% of the first 120's prompt
 # blocks repeat a prefix sent earlier in those 120); later, conversations and documents come
@@ -15,13 +15,6 @@ DEFAULT_START = 3840
 # A pool that keeps those prefixes until they come back: at 512 blocks the window's running
 # requests evict most of them first (18% hits instead of 54%).
 DEFAULT_NUM_BLOCKS = 2048
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _replica(text: str) -> tuple[str, str]:

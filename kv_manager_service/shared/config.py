@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kv_manager_service.core.hashing import HashAlgorithm
+from kv_manager_service.shared.hash_types import HashAlgorithm
 
 
 class GroupKind(str, enum.Enum):

@@ -7,7 +7,7 @@ already keeps are read when Prometheus scrapes, by a collector of its own
 records (per-RPC durations and error codes) is recorded per call, by
 `RpcMetricsInterceptor`, as `<prefix>_rpc_duration_seconds{method}` and
 `<prefix>_rpc_errors_total{method,code}`. The endpoint serving a registry
-is `kv_manager_service.rpc.metrics_endpoint`.
+is `kv_manager_service.shared.metrics_endpoint`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 
-from kv_manager_service.rpc.aio import is_async
+from kv_manager_service.shared.aio import is_async
 
 # 0.1 ms .. 1 s: a point lookup takes tens of microseconds, a 256-op Step ~2 ms.
 RPC_DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kv_manager_service.core import ForkResult, KVCacheManager, StepResult
-from kv_manager_service.core.ops import Op
+from kv_manager_service.shared.ops import Op
 
 
 class InProcessManager:

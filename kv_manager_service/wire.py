@@ -1,38 +1,37 @@
-"""Translation between `kvcache.v1` messages and core types; nothing else."""
+"""Translation between `kvcache.v1` messages and the shared value types; nothing else.
+
+Only the servicer, the client and the journal's codec call it: everything else speaks values."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from kv_manager_service.core import (
+from kv_manager_service.shared.config import GroupKind, KVCacheConfig
+from kv_manager_service.shared.errors import InvalidArgumentError
+from kv_manager_service.shared.hash_types import LoraRef, MMFeature
+from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kv_manager_service.shared.ops import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,
     BlockCopy,
     BlockTable,
     CacheHit,
+    DecodeBatch,
+    DecodeResults,
     ForkOp,
     ForkResult,
     FreeOp,
     FreeResult,
     GroupAllocation,
-    GroupKind,
     HostTierStats,
-    InvalidArgumentError,
-    KVCacheConfig,
-    LoraRef,
-    MMFeature,
-    Stats,
-    StepDelta,
-)
-from kv_manager_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from kv_manager_service.core.ops import (
-    DecodeBatch,
-    DecodeResults,
     KVLossCause,
     KVLossCount,
+    MissingKVReport,
     Op,
     OpResult,
+    Stats,
+    StepDelta,
     StepResult,
 )
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -107,6 +106,21 @@ def step_ops(message: pb.StepRequest) -> tuple[list[Op], DecodeBatch | None]:
     return ops, DecodeBatch(list(request_ids), list(token_ids)) if request_ids else None
 
 
+def missing_kv_report(message: pb.ReportMissingKVRequest) -> MissingKVReport:
+    """A worker's report as sent; its cause is checked by the replica (an unknown value is kept as its
+    number, so the refusal can name it)."""
+    cause = message.cause
+    return MissingKVReport(
+        message.worker_id,
+        message.incarnation,
+        message.step_id,
+        KVLossCause(cause) if cause in KVLossCause._value2member_map_ else cause,
+        tuple(message.device_block_ids),
+        tuple(message.host_block_ids),
+        tuple(message.request_ids),
+    )
+
+
 # -- core -> responses -----------------------------------------------------------
 
 
@@ -147,6 +161,24 @@ def step_response(result: StepResult) -> pb.StepResponse:
     for request_id, cause in result.lost_requests:
         response.lost_requests.add(request_id=request_id, cause=cause)
     return response
+
+
+def step_result_from(response: pb.StepResponse) -> StepResult:
+    """The StepResult whose `step_response` is `response` again (no delta: workers' business)."""
+    decode = None
+    if response.HasField("decode"):
+        columns = response.decode
+        decode = DecodeResults(
+            [AllocateStatus(status) for status in columns.statuses],
+            list(columns.num_computed_tokens),
+            [
+                (c.op_index, GroupAllocation(c.group_id, (), tuple(c.new_block_ids), c.new_block_index))
+                for c in columns.changes
+            ],
+            [BlockCopy(c.src_block_id, c.dst_block_id) for c in columns.copies],
+        )
+    results = tuple(op_result(r) for r in response.results)
+    return StepResult(response.step_id, results, None, decode, lost_requests_from(response))
 
 
 def lost_requests_from(response: pb.StepResponse) -> tuple[tuple[str, KVLossCause], ...]:
@@ -331,34 +363,13 @@ def step_op(op: Op) -> pb.StepOp:
     return pb.StepOp(fork=pb.ForkRequest(parent_request_id=op.parent_request_id, child_request_ids=op.child_request_ids))
 
 
-def step_request(ops: Sequence[Op]) -> pb.StepRequest:
-    """A StepRequest whose `step_ops` are `ops` again: the trailing one-token
-    continuations go in the decode batch (cheap to encode), the rest nested."""
-    first_decode = len(ops)
-    while first_decode > 0 and _is_decode(ops[first_decode - 1]):
-        first_decode -= 1
-    decode = ops[first_decode:]
-    return pb.StepRequest(
-        ops=[step_op(op) for op in ops[:first_decode]],
-        decode=pb.DecodeBatch(request_ids=[op.request_id for op in decode], token_ids=[op.token_ids[0] for op in decode])
-        if decode
-        else None,
-    )
-
-
-def _is_decode(op: Op) -> bool:
-    """The shape `step_ops` gives a decode entry: one token, computed now, nothing else."""
-    return (
-        type(op) is AllocateOp
-        and len(op.token_ids) == 1
-        and op.num_new_tokens == 1
-        and not op.num_lookahead_tokens
-        and not op.num_encoder_tokens
-        and op.cache_salt is None
-        and op.lora is None
-        and not op.mm_features
-        and not op.skip_prefix_cache
-    )
+def step_message(ops: Sequence[Op], decode: DecodeBatch | None, idempotency_key: str = "") -> pb.StepRequest:
+    """The StepRequest whose `step_ops` are `ops` and `decode` again, exactly."""
+    message = pb.StepRequest(ops=[step_op(op) for op in ops], idempotency_key=idempotency_key)
+    if decode is not None:
+        message.decode.request_ids.extend(decode.request_ids)
+        message.decode.token_ids.extend(decode.token_ids)
+    return message
 
 
 def cache_hit_from(message: pb.FindCacheHitResponse) -> CacheHit:

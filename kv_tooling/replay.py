@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kv_manager_service.cli.in_process import InProcessManager
+from kv_tooling.in_process import InProcessManager
 from kv_manager_service.core import KVCacheManager
-from kv_manager_service.workload import TokenExpander, TraceRecord
+from kv_tooling.workload import TokenExpander, TraceRecord
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
 from reference_scheduler.scheduler import ReferenceScheduler, RequestTooLargeError, Sampling, SchedulerConfig
 

@@ -25,23 +25,19 @@ import dataclasses
 import importlib.util
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.rpc.launch import LaunchedProcess, launch
-from kv_manager_service.rpc.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
-from kv_manager_service.workload import TokenExpander, TraceRecord, load_trace
+from kv_tooling.launch import LaunchedProcess, launch
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
+from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, TraceRecord, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import worker_pb2
-from reference_scheduler.demo_flags import DEFAULT_START
-from reference_scheduler.demo_report import Sample, build_report, print_report, write_figure
-from reference_scheduler.progress import ProgressBar
+from kv_tooling.demo_flags import DEFAULT_START
+from kv_tooling.demo_report import Sample, build_report, print_report, write_figure
+from kv_tooling.progress import ProgressBar
 from reference_scheduler.scheduler import ReferenceScheduler, SchedulerConfig
 from reference_scheduler.worker_client import WorkerClient
-
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
-
 
 @dataclasses.dataclass
 class ReplicaStack:

@@ -21,7 +21,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kv_manager_service.rpc.errors import (
+from kv_manager_service.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCacheError,

@@ -31,7 +31,7 @@ from reference_scheduler.scheduler import StepTiming
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from reference_scheduler.demo import ReplicaStack
+    from kv_tooling.demo import ReplicaStack
 
 # The PagedAttention paper (Kwon et al., SOSP 2023, Fig. 2): in earlier systems that reserve
 # contiguous memory per request, 20.4% to 38.2% of the KV memory held real token states.

@@ -42,9 +42,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
-from kv_manager_service.rpc.security import Principal, Role, ServerTLS, TokenTable, read_token_file
+from kv_manager_service.shared.security import Principal, Role, ServerTLS, TokenTable, read_token_file
 
-log = logging.getLogger("kv_manager_service.rpc.metrics_endpoint")
+log = logging.getLogger("kv_manager_service.shared.metrics_endpoint")
 
 PATH = "/metrics"
 CONNECTION_TIMEOUT_S = 10.0  # a connection idle this long, in its handshake or its request, is closed

@@ -1,7 +1,7 @@
 """Caller mistakes, as typed exceptions: the error vocabulary of the contract.
 
 The core raises them, the servicers (manager and worker) map each to one gRPC
-code (`kv_manager_service.rpc.status`), and the client raises them again from
+code (`kv_manager_service.shared.status`), and the client raises them again from
 a rejected call's status. Pure Python, importing nothing: the core may use it.
 
 Internal invariants are `assert`s: a failed one is a bug, never the caller's fault.

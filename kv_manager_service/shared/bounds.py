@@ -24,7 +24,7 @@ from typing import NamedTuple
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from kv_manager_service.rpc.errors import InvalidArgumentError
+from kv_manager_service.shared.errors import InvalidArgumentError
 
 PACKAGE = "kvcache.v1"
 

@@ -21,9 +21,9 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import grpc
 
-from kv_manager_service.rpc import bounds
-from kv_manager_service.rpc.errors import InvalidArgumentError, KVCacheError
-from kv_manager_service.rpc.status import end_call
+from kv_manager_service.shared import bounds
+from kv_manager_service.shared.errors import InvalidArgumentError, KVCacheError
+from kv_manager_service.shared.status import end_call
 
 log = logging.getLogger("kv_manager_service.server.servicer")
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
-from kv_manager_service.rpc.ready_line import NotReadyError, wait_for_ready_line
+from kv_manager_service.shared.ready_line import NotReadyError, wait_for_ready_line
 
 if TYPE_CHECKING:
     import redis

@@ -56,11 +56,11 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Seque
 
 import grpc
 
-from kv_manager_service.rpc.errors import KVCacheError
-from kv_manager_service.rpc.errors import PermissionDeniedError, UnauthenticatedError
-from kv_manager_service.rpc.status import end_call, status_code
+from kv_manager_service.shared.errors import KVCacheError
+from kv_manager_service.shared.errors import PermissionDeniedError, UnauthenticatedError
+from kv_manager_service.shared.status import end_call, status_code
 
-log = logging.getLogger("kv_manager_service.rpc.security")
+log = logging.getLogger("kv_manager_service.shared.security")
 
 MIN_TOKEN_CHARS = 16
 MIN_SECRET_BYTES = 16

@@ -21,7 +21,7 @@ import enum
 from dataclasses import dataclass
 from typing import Union
 
-from kv_manager_service.core.hashing import BlockHash
+from kv_manager_service.shared.hash_types import BlockHash
 
 
 class Tier(enum.Enum):
