@@ -21,10 +21,10 @@ from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig, resolve_model
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
 from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, WorkerServicer
-from gpu_worker.step_follower import StepFollower
+from gpu_worker.step_follower import FollowerError, StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.shared.metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_registry
 from kv_manager_service.shared.metrics_endpoint import MetricsServer, metrics_access, start_metrics_server
 from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
 from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
@@ -215,6 +215,13 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     incarnation = secrets.randbits(64) or 1  # this process's memory, as the manager tells it from a restarted one
     follower = StepFollower(manager, options.worker_id, snapshot.step_id + 1, incarnation)
     follower.start()
+    # Ready means registered: a worker that joins empties the manager's prefix cache as it registers
+    # (its memory is empty), and a scheduler told "ready" must not see that happen after.
+    try:
+        follower.wait_registered(options.manager_timeout_s)
+    except (FollowerError, TimeoutError) as error:
+        follower.close()
+        raise ConnectionError(f"{error}; the worker cannot follow its steps") from None
 
     info = pb.GetWorkerInfoResponse(
         worker_id=options.worker_id,

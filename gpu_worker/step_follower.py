@@ -10,6 +10,7 @@ import time
 import grpc
 
 from kv_manager_service.client import KVManagerClient
+from kv_manager_service.shared.ready_line import FIRST_STEP_ID_HEADER
 from kvcache.v1 import kv_manager_pb2 as pb
 
 log = logging.getLogger("gpu_worker.step_follower")
@@ -40,6 +41,7 @@ class StepFollower:
         self.changed = threading.Condition()
         self.closed = False
         self.stream: grpc.Future | None = None
+        self.registered = False  # the manager accepted a WatchSteps of this follower (its initial metadata came)
         self.thread = threading.Thread(target=self._run, name="step-follower", daemon=True)
 
     def start(self) -> None:
@@ -65,6 +67,25 @@ class StepFollower:
             log.warning("could not unregister worker %s (%s); its lease will expire", self.worker_id, error)
         else:
             log.info("unregistered worker %s from the manager", self.worker_id)
+
+    def wait_registered(self, timeout_s: float) -> None:
+        """Wait until the manager has registered this worker (the first WatchSteps' initial metadata).
+
+        Raises FollowerError when the manager refused the stream for good, and TimeoutError after
+        `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not self.registered:
+                if self.error is not None:
+                    raise self.error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"the manager at {self.client.address} did not register worker {self.worker_id!r} "
+                        f"within {timeout_s:g}s"
+                    )
+                self.changed.wait(remaining)
 
     @property
     def last_received_step_id(self) -> int:
@@ -102,6 +123,11 @@ class StepFollower:
                     return
                 self.stream = stream = self.client.watch_steps(self.worker_id, self.next_step_id, self.incarnation)
             try:
+                metadata = stream.initial_metadata()  # waits for the headers, sent once the worker is registered
+                if not self.registered and any(key == FIRST_STEP_ID_HEADER for key, _ in metadata or ()):
+                    with self.changed:
+                        self.registered = True
+                        self.changed.notify_all()
                 for delta in stream:
                     with self.changed:
                         assert delta.step_id == self.next_step_id, (delta.step_id, self.next_step_id)

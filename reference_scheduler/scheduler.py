@@ -46,7 +46,11 @@ from its journal) and the manager applies it once.
 
 The loop drives any `Manager` and `Worker` (`interfaces.py`): the gRPC
 clients (the demo), an in-process core (`kv-manager replay`), or a columnar
-client shared with other schedulers (the soak load, `soak.py`).
+client shared with other schedulers (the soak load, `kv_tooling.soak`).
+
+It runs past 500 lines because admission, chunked prefill, preemption, fork
+and the check of every answer share one view of each request and the step's
+token budget; the manager and the worker it drives stay behind `interfaces.py`.
 """
 
 from __future__ import annotations

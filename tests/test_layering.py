@@ -407,11 +407,11 @@ PLANTED_TESTS_HELPERS = {"load_generator": "tests.load_generator"}
         ),
         # `if TYPE_CHECKING:` imports count.
         (
-            "kv_manager_service.shared.metrics",
+            "kv_manager_service.shared.rpc_metrics",
             "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n"
             "    from kv_manager_service.server.servicer import X\n",
-            ["kv_manager_service.shared.metrics -> kv_manager_service.server.servicer"],
+            ["kv_manager_service.shared.rpc_metrics -> kv_manager_service.server.servicer"],
         ),
         # The shared layer reaches nothing of the manager; a package `__init__` resolves `.` to itself.
         (

@@ -157,7 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_manager_service.shared.logs import configure_logging
     from kv_manager_service.shared.metrics_endpoint import load_scrape_token_file
     from kv_manager_service.server.process import ServerOptions, serve
-    from kv_manager_service.server.replica import ServiceLimits
+    from kv_manager_service.server.retention import ServiceLimits
 
     configure_logging(args.log_level, args.log_format)
     config = build_config(args)

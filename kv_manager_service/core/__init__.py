@@ -47,7 +47,7 @@ from kv_manager_service.shared.ops import (
     StepResult,
     TierCopy,
 )
-from kv_manager_service.core.state import CoreState, RequestSnapshot
+from kv_manager_service.core.state import CoreState, RequestExport
 
 __all__ = [
     "AllBlocksCleared",
@@ -91,7 +91,7 @@ __all__ = [
     "PrefixLookupKeys",
     "RequestExistsError",
     "RequestNotFoundError",
-    "RequestSnapshot",
+    "RequestExport",
     "ResourceExhaustedError",
     "Stats",
     "StepDelta",

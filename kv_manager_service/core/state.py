@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class RequestSnapshot:
+class RequestExport:
     """One live request; tables list block ids per group, 0 for the null block."""
 
     request_id: str
@@ -75,7 +75,7 @@ class CoreState:
     last_step_id: int
     free_block_ids: tuple[int, ...]
     cached: tuple[tuple[int, BlockHash, int], ...]
-    requests: tuple[RequestSnapshot, ...]
+    requests: tuple[RequestExport, ...]
     pending_copies: tuple[tuple[int, int, int], ...]
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -96,7 +96,7 @@ def export_state(manager: KVCacheManager) -> CoreState:
             else:
                 cached += [(group_id, block_hash, block_id) for block_id in entry]
     requests = tuple(
-        RequestSnapshot(
+        RequestExport(
             r.request_id,
             r.num_tokens,
             r.num_computed_tokens,

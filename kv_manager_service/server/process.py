@@ -1,4 +1,9 @@
-"""The gRPC server process: the servicer, health checking, reflection and shutdown."""
+"""The gRPC server process: the servicer, health checking, reflection and shutdown.
+
+It runs past 450 lines because one process's lifetime is read in one place: the options and their
+checks, opening the journal, starting the mirror and the metrics endpoint, serving, and the graceful
+shutdown that undoes each of them in order.
+"""
 
 from __future__ import annotations
 
@@ -24,15 +29,16 @@ from prometheus_client import CollectorRegistry
 from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager
 from kv_manager_service.shared.aio import AioInterceptor, EventLoopThread
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES, Journal
-from kv_manager_service.shared.metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_registry
 from kv_manager_service.shared.metrics_endpoint import MetricsAccess, MetricsServer, metrics_access, start_metrics_server
-from kv_manager_service.server.metrics import PRIVATE_LABELS, ManagerCollector
+from kv_manager_service.server.replica_metrics import PRIVATE_LABELS, ManagerCollector
 from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
 from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.shared.security import BearerAuthInterceptor, ServerTLS, TokenTable
 from kv_manager_service.shared.termination import TerminationSignals
-from kv_manager_service.server.replica import Replica, ServiceLimits
+from kv_manager_service.server.replica import Replica
+from kv_manager_service.server.retention import ServiceLimits
 from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
 from kv_manager_service.server.tenancy import Tenancy
 from kvcache.v1 import kv_manager_pb2 as pb

@@ -39,6 +39,10 @@ before the lock is released:
 With `check_invariants`, every mutation ends with the core's whole-state
 check, accepted or refused; a failure is a bug (AssertionError).
 
+It runs past 500 lines because every mutation takes the one lock and ends the
+same way (journal, logs, published figures, invariants): split by subject,
+each part would need the others' lock, journal and failure path.
+
 The replica takes and returns values only (`kv_manager_service.shared`): the
 servicer converts a call's message once on the way in and the answer once on
 the way out, and the journal's codec (journal_records.py) encodes what the
@@ -52,7 +56,6 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
@@ -71,6 +74,7 @@ from kv_manager_service.server.journal_records import (
     WorkerRegistered,
     WorkerUnregistered,
 )
+from kv_manager_service.server.retention import ServiceLimits, logged_delta_bytes, logged_event_bytes
 from kv_manager_service.server.snapshot import restore_snapshot, take_snapshot
 from kv_manager_service.server.tenancy import Tenancy
 from kv_manager_service.server.workers import WorkerLease, WorkerRegistry
@@ -101,60 +105,6 @@ from kv_manager_service.shared.ops import (
 )
 
 log = logging.getLogger("kv_manager_service.server.replica")
-
-
-@dataclass(frozen=True)
-class ServiceLimits:
-    """Per-call limits and log retention; anything past a limit is refused with a message naming it.
-
-    Each retention is bounded in entries and in bytes, whichever is reached
-    first (the defaults in bytes add up to 0.3 GiB; strings and lists of a
-    call are bounded by `shared.bounds`).
-    """
-
-    max_tokens_per_call: int = 1 << 20
-    max_ops_per_step: int = 1 << 16
-    step_retention: int = 100_000  # step deltas kept for WatchSteps
-    event_retention: int = 100_000  # events kept for WatchEvents
-    idempotency_retention: int = 100_000  # keyed Steps remembered (see idempotency.py)
-    step_retention_bytes: int = 128 << 20  # step deltas, as `logged_delta_bytes` estimates them
-    event_retention_bytes: int = 64 << 20  # events, as `logged_event_bytes` estimates them
-    idempotency_retention_bytes: int = 128 << 20  # keys and results of keyed Steps (see idempotency.py)
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_tokens_per_call",
-            "max_ops_per_step",
-            "step_retention",
-            "event_retention",
-            "idempotency_retention",
-            "step_retention_bytes",
-            "event_retention_bytes",
-            "idempotency_retention_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-def logged_delta_bytes(delta: StepDelta) -> int:
-    """An estimate, on the high side, of a logged delta's memory: ~400 bytes of objects and slot, and
-    each part's tuples and ints. `sys.getsizeof` summed over every object reachable from a delta, the
-    core's own request ids and block ids included, stays below it: 59 KiB against 60 KiB when each of
-    256 decoding requests gets a block, 15 KiB against 17 KiB for 32 prompts of 100 tokens."""
-    size = 400 + 72 * len(delta.requests_freed) + 120 * (len(delta.copies) + len(delta.offloads) + len(delta.onloads))
-    for table in delta.rows_added:
-        size += 200 + sum(64 + 40 * len(block_ids) for block_ids in table.block_ids)
-    for append in delta.blocks_appended:
-        size += 200 + 40 * len(append.block_ids)
-    return size
-
-
-def logged_event_bytes(entry: tuple[int, KVEvent]) -> int:
-    """An estimate of a logged event's memory: ~256 bytes of objects, and each hash with its object
-    and slot (a BlockStored of 8 sha256 hashes measures ~890 bytes with tracemalloc)."""
-    event = entry[1]
-    hashes = getattr(event, "block_hashes", ())
-    return 256 + (len(hashes) + 1) * (len(hashes[0]) + 40 if hashes else 0)
 
 
 # The causes a worker may report (the others the manager finds itself, or a scheduler says).
@@ -275,7 +225,8 @@ class Replica:
                 result = manager.step(ops, decode=decode)
             else:
                 result = self.tenancy.step(manager, ops, decode)
-            self._journal(StepApplied(ops, decode, key))
+            if self.journal is not None:
+                self._journal(StepApplied(ops, decode, key))
             self.steps.append(result.delta)
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
             self._publish_events()

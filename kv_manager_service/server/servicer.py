@@ -14,6 +14,11 @@ call while the lock is taken, runs in the thread pool, where it may wait
 (`_unary`). The streams follow the replica's logs on the loop, GetStats
 reads the figures the last mutation published, and a stream's registration
 goes to the thread pool (`_off_loop`).
+
+It runs past 500 lines for its count, not its length: one handler per RPC of
+the service (about twenty, each a few lines of conversion and scoping), and
+beside the streams the serialization of each delta and event, made once for
+all their followers.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from kv_manager_service.mirror.schema import ClusterUnavailableError, ReplicaTok
 from kv_manager_service import wire
 from kv_manager_service.shared.errors import InvalidArgumentError, KVCacheError, OutOfRangeError, PermissionDeniedError
 from kv_manager_service.shared.logs import MAX_LOGGED_IDS
+from kv_manager_service.shared.ready_line import FIRST_STEP_ID_HEADER
 from kv_manager_service.shared.security import Principal, TokenTable
 from kv_manager_service.shared.status import end_call, status_code
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
@@ -332,6 +338,8 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 self.replica.open_worker_stream, request.worker_id, request.from_step_id, request.incarnation
             )
             try:
+                # Headers now, before any step: the worker learns it is registered (see WatchSteps).
+                await context.send_initial_metadata(((FIRST_STEP_ID_HEADER, str(first)),))
                 async for batch in _follow(self.replica.steps, first, "from_step_id"):
                     for step_id, delta in batch:
                         yield self._serialized_delta(step_id, delta)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kv_manager_service.core.hashing import HashExtras
-from kv_manager_service.core.state import CoreState, HostTierState, RequestSnapshot, restore_state
+from kv_manager_service.core.state import CoreState, HostTierState, RequestExport, restore_state
 from kv_manager_service import wire
 from kv_manager_service.server.tenancy import TenantUsage
 from kv_manager_service.shared.hash_types import BlockHash, LoraRef, MMFeature
@@ -161,7 +161,7 @@ def _host_tier_from_proto(message: jpb.HostTierSnapshot) -> HostTierState:
     )
 
 
-def _request_to_proto(r: RequestSnapshot) -> jpb.RequestSnapshot:
+def _request_to_proto(r: RequestExport) -> jpb.RequestSnapshot:
     extras = r.extras
     return jpb.RequestSnapshot(
         request_id=r.request_id,
@@ -182,10 +182,10 @@ def _request_to_proto(r: RequestSnapshot) -> jpb.RequestSnapshot:
     )
 
 
-def _request_from_proto(m: jpb.RequestSnapshot) -> RequestSnapshot:
+def _request_from_proto(m: jpb.RequestSnapshot) -> RequestExport:
     lora = LoraRef(m.lora_name, m.lora_path) if m.lora_name else None
     features = tuple(MMFeature(f.identifier, f.offset, f.length) for f in m.mm_features)
-    return RequestSnapshot(
+    return RequestExport(
         m.request_id,
         m.num_tokens,
         m.num_computed_tokens,

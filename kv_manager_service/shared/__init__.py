@@ -10,7 +10,7 @@ The processes' plumbing:
 - `status`: the one table from error to gRPC status, with `ErrorInfo` details;
 - `security`: TLS and mTLS credentials, bearer tokens and roles;
 - `bounds`, `parse_errors`: every request's limits, checked before any handler;
-- `metrics`, `metrics_endpoint`: RPC timing, and the /metrics endpoint with who may read it;
+- `rpc_metrics`, `metrics_endpoint`: RPC timing, and the /metrics endpoint with who may read it;
 - `aio`: the grpc.aio server's event-loop thread; `logs`: one JSON object per log line;
 - `ports`, `ready_line`, `termination`: listening, saying so, and stopping on a signal;
 - `arg_types`: argparse value types shared by the command lines.

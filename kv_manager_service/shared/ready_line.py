@@ -3,7 +3,10 @@
 `kv-manager serve` prints `KV manager listening on HOST:PORT`, `gpu-worker`
 prints `GPU worker listening on HOST:PORT`. Whatever starts
 it as a process (a test, a benchmark, a demo, an orchestrator) reads that
-line to learn the address, instead of polling the port.
+line to learn the address, instead of polling the port. A worker prints its
+line only once the manager has registered it: the manager sends a
+WatchSteps stream's initial metadata, `FIRST_STEP_ID_HEADER`, as soon as it
+has registered the worker, before any step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 
 MANAGER_READY_PREFIX = "KV manager listening on "
 WORKER_READY_PREFIX = "GPU worker listening on "
+FIRST_STEP_ID_HEADER = "kvcache-first-step-id"  # WatchSteps' initial metadata: the first step it will send
 
 
 class NotReadyError(RuntimeError):

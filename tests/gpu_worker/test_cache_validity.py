@@ -165,6 +165,8 @@ def test_a_worker_that_joins_late_reads_only_what_it_holds(deployment):
         device=deployment.device, worker_id="worker-late",
     )  # fmt: skip
     try:
+        # Ready means registered: joining (empty memory) has emptied the prefix cache already.
+        assert "worker-late" in {w.worker_id for w in deployment.manager.workers()}
         num_cached = deployment.num_cached_tokens(computed_here)
         with WorkerClient(late.address) as late_client:
             scheduler = ReferenceScheduler(deployment.manager, late_client)

@@ -11,7 +11,7 @@ from kv_manager_service.shared.events import BlockRemoved, BlockStored
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.core import KVCacheConfig, KVCacheManager
 from kv_manager_service.server.idempotency import ENTRY_OVERHEAD_BYTES, StepKeys, result_bytes
-from kv_manager_service.server.replica import ServiceLimits, logged_delta_bytes, logged_event_bytes
+from kv_manager_service.server.retention import ServiceLimits, logged_delta_bytes, logged_event_bytes
 from kv_manager_service.shared.ops import AllocateOp, AllocateStatus, DecodeBatch, DecodeResults, StepResult
 
 

@@ -15,7 +15,7 @@ from kv_manager_service.client import KVManagerClient
 from kv_manager_service.core import AllocateStatus, KVCacheConfig, GroupKind, GroupSpec
 from kv_manager_service.shared import errors as core_errors
 from kv_manager_service.server.process import ServerOptions, start_server
-from kv_manager_service.server.replica import ServiceLimits
+from kv_manager_service.server.retention import ServiceLimits
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from svc_support import (

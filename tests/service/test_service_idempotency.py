@@ -21,7 +21,7 @@ from kv_manager_service.client import KVManagerClient, RetryPolicy
 from kv_manager_service.core import AllocateOp, FailedPreconditionError
 from kv_manager_service.shared.errors import IdempotencyKeyReusedError
 from kv_manager_service.server.idempotency import StepKeys, request_fingerprint
-from kv_manager_service.server.replica import ServiceLimits
+from kv_manager_service.server.retention import ServiceLimits
 from kv_manager_service.shared.ops import StepResult
 from kvcache.v1 import kv_manager_pb2 as pb
 

@@ -272,7 +272,7 @@ def test_the_mirror_collectors_figures_are_exported_as_counters():
     from kv_manager_service.core import GroupKind, GroupSpec, KVCacheManager
     from kv_manager_service.mirror.collector import CollectorMetrics
     from kv_manager_service.mirror.writer import MirrorMetrics
-    from kv_manager_service.server.metrics import ManagerCollector
+    from kv_manager_service.server.replica_metrics import ManagerCollector
     from kv_manager_service.server.replica import Replica
 
     config = KVCacheConfig(num_blocks=8, groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16),), enable_events=True)

@@ -28,7 +28,10 @@ from svc_support import (
     tables,
     take,
     watch_steps,
+    workers,
 )
+
+from kv_manager_service.shared.ready_line import FIRST_STEP_ID_HEADER
 
 WORKER = "gpu-0"
 BS = 16
@@ -199,6 +202,19 @@ def test_resuming_at_the_next_step_waits_for_it(stub, run):
     finally:
         stream.cancel()
     assert delta.step_id == freed.step_id == last + 1 and list(delta.requests_freed) == ["s"]
+
+
+def test_registration_is_said_before_any_step(stub, run):
+    """The stream's headers come as soon as the worker is registered, with no step to send yet."""
+    last = last_step_id(stub)
+    stream = watch_steps(stub, "registers-" + WORKER, last + 1)
+    try:
+        assert (FIRST_STEP_ID_HEADER, str(last + 1)) in stream.initial_metadata()
+        assert "registers-" + WORKER in workers(stub)
+        assert last_step_id(stub) == last  # no step was needed, nor sent
+    finally:
+        stream.cancel()
+    stub.UnregisterWorker(pb.UnregisterWorkerRequest(worker_id="registers-" + WORKER))
 
 
 def test_copies_are_released_when_every_registered_worker_acknowledged(stub, run):

@@ -3,7 +3,7 @@
 Every server owns a `CollectorRegistry` of its own (never the process-wide
 default), so several servers in one process do not collide. Values a server
 already keeps are read when Prometheus scrapes, by a collector of its own
-(the manager's: `kv_manager_service.server.metrics`); only what nothing else
+(the manager's: `kv_manager_service.server.replica_metrics`); only what nothing else
 records (per-RPC durations and error codes) is recorded per call, by
 `RpcMetricsInterceptor`, as `<prefix>_rpc_duration_seconds{method}` and
 `<prefix>_rpc_errors_total{method,code}`. The endpoint serving a registry
