@@ -250,7 +250,7 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         interceptors.append(BearerAuthInterceptor(options.tokens))  # after the metrics: they count what it refuses
         if options.tls is None:
             log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
-    interceptors.append(ParseErrorInterceptor())  # last: refuses unparsed and oversized requests (rpc/bounds.py)
+    interceptors.append(ParseErrorInterceptor())  # last: refuses unparsed and oversized requests (shared/bounds.py)
     servicer = WorkerServicer(runner, follower, manager, info, options.step_timeout_s, worker_metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),

@@ -179,7 +179,7 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         # When this is the hash's last device block, the hash leaves the device: write it back to the
         # host tier (reads the hash, so first; its HOST events precede the DEVICE BlockRemoved, see
-        # core/events.py).
+        # shared/events.py).
         if self.host_tier is not None and type(self.cached[block.group_id][block.block_hash]) is KVCacheBlock:
             self.host_tier.offload(block, self.events if self.enable_events else None)
         self._unindex(block)

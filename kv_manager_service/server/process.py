@@ -127,7 +127,7 @@ class ServerOptions:
         self._check_security()
 
     def metrics_access(self) -> MetricsAccess:
-        """Who may read /metrics: the RPCs' TLS, operator tokens or a scrape token (rpc/metrics_endpoint.py)."""
+        """Who may read /metrics: the RPCs' TLS, operator tokens or a scrape token (shared/metrics_endpoint.py)."""
         host = self.metrics_host or self.host
         return metrics_access(host, self.tls, self.tokens, self.metrics_tokens, private_labels=PRIVATE_LABELS)
 

@@ -8,7 +8,7 @@ a deserializer that never raises (bytes that do not parse become an
 `Unparsed` value) and a behavior that answers an `Unparsed` request with
 INVALID_ARGUMENT and the usual ErrorInfo (reason `INVALID_ARGUMENT`, field
 `request`). Well-formed requests are then checked against the limits of
-`rpc.bounds`, so a string or list past its limit is refused the same way,
+`shared.bounds`, so a string or list past its limit is refused the same way,
 naming the field, before any handler sees it.
 """
 
@@ -88,7 +88,7 @@ def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 def _refusing_unparsed(behavior: Callable, name: str) -> Callable:
-    """`behavior`, after a check that refuses an unparsed request; of `behavior`'s kind (see rpc/aio.py).
+    """`behavior`, after a check that refuses an unparsed request; of `behavior`'s kind (see shared/aio.py).
 
     Also right for server streams: the status is set before any response.
     """

@@ -1,4 +1,4 @@
-"""`rpc.bounds`: every string and list of every request has a limit, and a field past it is named, not echoed."""
+"""`shared.bounds`: every string and list of every request has a limit, and a field past it is named, not echoed."""
 
 from __future__ import annotations
 

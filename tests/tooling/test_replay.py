@@ -11,7 +11,7 @@ from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCache
 from kv_tooling.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_tooling.workload import TokenExpander, load_trace
 
-EXCERPT = Path(__file__).parent / "data" / "mooncake_excerpt.jsonl"
+EXCERPT = Path(__file__).parents[1] / "data" / "mooncake_excerpt.jsonl"
 SCALE = 1 / 32  # 16 tokens per trace block: four 4-token KV blocks
 BLOCK_SIZE = 4
 

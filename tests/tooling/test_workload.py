@@ -19,7 +19,7 @@ from kv_tooling.workload import (
     scaled_length,
 )
 
-EXCERPT = Path(__file__).parent / "data" / "mooncake_excerpt.jsonl"
+EXCERPT = Path(__file__).parents[1] / "data" / "mooncake_excerpt.jsonl"
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
