@@ -123,12 +123,19 @@ def connect_now(endpoint: RedisEndpoint) -> redis.Redis | ClusterClient:
 
 
 def is_cluster_node(endpoint: RedisEndpoint) -> bool:
-    """Whether the node `endpoint.url` names runs in cluster mode (`INFO cluster`: cluster_enabled:1)."""
-    probe = redis.Redis.from_url(endpoint.url, **endpoint.client_kwargs())
+    """Whether the node `endpoint.url` names runs in cluster mode (`INFO cluster`: cluster_enabled:1).
+
+    The question is asked on database 0, whatever the URL names: a cluster node refuses to SELECT
+    another, and the caller's answer to a URL naming one is a RedisTopologyError, not that refusal.
+    """
+    pool = redis.ConnectionPool.from_url(endpoint.url, **endpoint.client_kwargs())
+    pool.connection_kwargs["db"] = 0
+    probe = redis.Redis(connection_pool=pool)
     try:
         return int(probe.info("cluster").get("cluster_enabled", 0)) == 1
     finally:
         probe.close()
+        pool.disconnect()
 
 
 class ClusterClient(redis.RedisCluster):

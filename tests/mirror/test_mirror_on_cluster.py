@@ -65,6 +65,15 @@ def test_cluster_yes_against_one_server_stops_the_start_with_one_line(redis_serv
     assert "Traceback" not in result.stderr, result.stderr
 
 
+def test_a_database_other_than_0_on_a_cluster_stops_the_start_with_one_line(shared_redis_cluster, replicas):
+    url = f"redis://127.0.0.1:{shared_redis_cluster.ports[0]}/1"
+    assert is_cluster_node(RedisEndpoint(url))  # asked on database 0: a cluster node refuses SELECT 1
+    result = subprocess.run(replicas.argv("replica-a", url, 64, None, []), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "names database 1 of a Redis Cluster node" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.fixture
 def unstarted_cluster(tmp_path: Path) -> Iterator[RedisClusterServer]:
     """A cluster whose ports are chosen but which the test starts (stopped after the test's replicas)."""
