@@ -1,11 +1,23 @@
-"""Figures shared by the benchmark scripts: percentiles, per-round series, number formatting."""
+"""What the benchmark scripts share: percentiles, per-round series, the order of alternating rounds and their
+ratios, progress lines, number formatting, report rows, and the run's command line and load."""
 
 from __future__ import annotations
 
 import math
+import os
+import shlex
 import statistics
+import sys
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    from kv_manager_service.core import KVCacheManager
+    from kv_tooling.replay import ReplayProgress
+
+T = TypeVar("T")
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -42,6 +54,84 @@ def fmt(value: float) -> str:
     if abs(value) >= 1:
         return f"{value:.2f}"
     return f"{value:.3f}"
+
+
+def med(series: Series, which: str = "p50") -> float:
+    """The median over rounds of a series' per-round p50 (or `which`)."""
+    return statistics.median(getattr(series, which))
+
+
+def spread(values: Sequence[float], separator: str = " - ") -> str:
+    """The lowest and highest of per-round figures."""
+    return f"{fmt(min(values))}{separator}{fmt(max(values))}"
+
+
+def row(number: str, metric: str, series: Series, unit: str, target: str = "", note: str = "",
+        met: bool | None = None) -> str:
+    """A report row: the medians over rounds of p50 and p99, the spread of the round p50s, the target and whether
+    it was met."""
+    p50 = fmt(med(series)) if series.p50 else "n/a"
+    p99 = fmt(med(series, "p99")) if series.p99 else ""
+    round_spread = spread(series.p50) if len(series.p50) > 1 else ""
+    if met is not None:
+        target = f"{target} ({'met' if met else 'MISSED'})"
+    return f"| {number} | {metric} | {p50} | {p99} | {unit} | {round_spread} | {target} | {note} |"
+
+
+# -- alternating rounds ------------------------------------------------------------
+
+
+def alternating(names: Sequence[T], round_index: int) -> list[T]:
+    """The order in which round `round_index` runs the series `names`: as given in even rounds, reversed in odd
+    ones, so that neither always runs first."""
+    return list(names) if round_index % 2 == 0 else list(reversed(names))
+
+
+def per_round_ratios(values: Sequence[float], base: Sequence[float]) -> list[float]:
+    """Round by round `values / base`, of the rounds whose base is not 0 (a CPU time shorter than one clock tick
+    of /proc reads as 0)."""
+    return [value / base_value for value, base_value in zip(values, base) if base_value]
+
+
+def ratio_summary(ratios: Sequence[float]) -> str:
+    """The median of per-round ratios and their range."""
+    return f"{statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def print_round(index: int, rounds: int, figures: str = "") -> None:
+    """The progress line of round `index` (from 0) of `rounds`, with that round's figures, on stderr."""
+    print(f"round {index + 1}/{rounds}" + (f": {figures}" if figures else ""), file=sys.stderr, flush=True)
+
+
+def replay_progress_printer(label: str, num_requests: int, manager: KVCacheManager,
+                            every_steps: int = 1) -> Callable[[ReplayProgress], None]:
+    """A trace replay's progress callback: every `every_steps` steps, a line on stderr with the requests done,
+    running and waiting, the pool's usage, the hit rate so far and the time since this call."""
+    started = time.perf_counter()
+
+    def show(progress: ReplayProgress) -> None:
+        if progress.num_steps % every_steps:
+            return
+        stats = manager.stats()
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        print(f"  [{label}] step {progress.num_steps:>6}: {progress.num_completed:>5}/{num_requests} done, "
+              f"{progress.num_running:>3} running, {progress.num_waiting:>5} waiting, usage {progress.usage:6.1%}, "
+              f"hits {hit_rate:6.1%}, {time.perf_counter() - started:6.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+
+    return show
+
+
+# -- the run's circumstances -------------------------------------------------------
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """How the script at `script` (its `__file__`) was run, as `python bench/NAME ARGS`."""
+    return shlex.join(["python", f"bench/{Path(script).name}", *(argv if argv is not None else sys.argv[1:])])
+
+
+def load_averages() -> str:
+    """The machine's 1-, 5- and 15-minute load averages."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 # A spread (highest round median minus lowest) past this share of the median: the rounds disagree,

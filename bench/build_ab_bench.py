@@ -38,7 +38,6 @@ import argparse
 import multiprocessing
 import os
 import random
-import shlex
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,9 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Sequence
 
-from bench_stats import Series, fmt
+from bench_stats import (
+    Series, alternating, command_line, fmt, load_averages, med, per_round_ratios, print_round, ratio_summary, spread,
+)
 from process_cpu import cpu_s
 from rpc_bench import BLOCK_SIZE, PROMPT_LEN, Workload, admit_rpc, check_decode, make_client, throughput, timed_calls
 
@@ -87,6 +88,31 @@ def decode_round(client, work: Workload, pid: int, warmup: int, steps: int) -> t
         steps,
     )
     return samples, (cpu_s(pid) - cpu_before) * 1e3 / (warmup + steps)
+
+
+@dataclass
+class DecodeSeries:
+    """One server's decode Step round trip, per round: its p50 and p99 (ms), and the server's CPU ms per Step."""
+
+    round_trip: Series = field(default_factory=Series)
+    cpu_ms: list[float] = field(default_factory=list)
+
+    def measure(self, client, work: Workload, pid: int, warmup: int, steps: int) -> None:
+        """One round of `decode_round`."""
+        samples, cpu_per_step = decode_round(client, work, pid, warmup, steps)
+        self.round_trip.add_samples(samples)
+        self.cpu_ms.append(cpu_per_step)
+
+    def cells(self) -> str:
+        """The table cells: p50 (median over rounds), its spread over rounds, p99, server CPU per Step."""
+        s = self.round_trip
+        return f"{fmt(med(s))} | {spread(s.p50, '-')} | {fmt(med(s, 'p99'))} | {fmt(statistics.median(self.cpu_ms))}"
+
+
+def pool_blocks(tokens_per_request: int, num_request_sets: int = 1) -> int:
+    """A device pool that holds `num_request_sets` sets of requests grown to `tokens_per_request` tokens each:
+    nothing is evicted during the run."""
+    return num_request_sets * NUM_REQUESTS * (-(-tokens_per_request // BLOCK_SIZE) + 1) + 1024
 
 
 def commit_of(tree: Path) -> str:
@@ -219,9 +245,8 @@ class Throughput:
 
 
 def ratios_of(values: dict[str, list[float]]) -> list[float]:
-    """Per-round ratios this tree / baseline, of the rounds whose baseline figure is not 0 (a CPU time
-    shorter than one clock tick of /proc reads as 0)."""
-    return [mine / base for mine, base in zip(values["this tree"], values["baseline"]) if base]
+    """Per-round ratios this tree / baseline."""
+    return per_round_ratios(values["this tree"], values["baseline"])
 
 
 # -- the run -------------------------------------------------------------------------
@@ -252,14 +277,13 @@ class Results:
     """Per-round figures of both builds, keyed by build name."""
 
     builds: dict[str, Path]
-    series: dict[str, Series]  # the single-client decode Step round trip (ms)
-    cpu_ms: dict[str, list[float]]  # server CPU ms per Step of that series
+    decode: dict[str, DecodeSeries]  # the single-client decode Step round trip
     threads: dict[str, Throughput]
     processes: dict[str, Throughput]
 
     @classmethod
     def empty(cls, builds: dict[str, Path]) -> Results:
-        return cls(builds, {name: Series() for name in builds}, {name: [] for name in builds},
+        return cls(builds, {name: DecodeSeries() for name in builds},
                    {name: Throughput() for name in builds}, {name: Throughput() for name in builds})  # fmt: skip
 
 
@@ -272,7 +296,7 @@ def run(args: argparse.Namespace, results: Results) -> None:
     # round): the pool holds them all.
     tokens_per_request = PROMPT_LEN + args.rounds * (args.warmup + args.steps + args.throughput_steps) + BLOCK_SIZE
     num_request_sets = 1 + args.throughput_clients + args.client_processes
-    num_blocks = num_request_sets * NUM_REQUESTS * (-(-tokens_per_request // BLOCK_SIZE) + 1) + 1024
+    num_blocks = pool_blocks(tokens_per_request, num_request_sets)
     work = Workload("ab", NUM_REQUESTS, random.Random(0))
     # The thread series: one client and one set of requests per thread (as rpc_bench.py's).
     works = [Workload(f"tp{i}", NUM_REQUESTS, random.Random(1 + i)) for i in range(args.throughput_clients)]
@@ -300,12 +324,9 @@ def run(args: argparse.Namespace, results: Results) -> None:
                   f"({args.client_processes} in client processes), {time.monotonic() - started:.0f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             for round_index in range(args.rounds):
-                order = list(builds) if round_index % 2 == 0 else list(reversed(builds))
+                order = alternating(list(builds), round_index)
                 for name in order:
-                    pid = servers[name].pid
-                    samples, cpu_per_step = decode_round(clients[name], work, pid, args.warmup, args.steps)
-                    results.cpu_ms[name].append(cpu_per_step)
-                    results.series[name].add_samples(samples)
+                    results.decode[name].measure(clients[name], work, servers[name].pid, args.warmup, args.steps)
                 for name in order if works else ():
                     server_before, client_before = cpu_s(servers[name].pid), time.process_time()
                     rate, _ = throughput(pools[name], works, args.throughput_steps)
@@ -317,11 +338,11 @@ def run(args: argparse.Namespace, results: Results) -> None:
                     rate, client_cpu = client_processes[name].run(args.throughput_steps)
                     results.processes[name].add(rate, cpu_s(servers[name].pid) - server_before, client_cpu,
                                                 args.client_processes * args.throughput_steps)  # fmt: skip
-                progress = ", ".join(f"{name} {results.series[name].p50[-1]:.2f} ms" for name in builds)
+                progress = ", ".join(f"{name} {results.decode[name].round_trip.p50[-1]:.2f} ms" for name in builds)
                 if client_processes:
                     progress += "; processes " + ", ".join(
                         f"{name} {results.processes[name].rates[-1]:,.0f}/s" for name in builds)  # fmt: skip
-                print(f"round {round_index + 1}/{args.rounds}: {progress}", file=sys.stderr, flush=True)
+                print_round(round_index, args.rounds, progress)
             for client in [*clients.values(), *(c for pool in pools.values() for c in pool)]:
                 client.close()
         finally:
@@ -340,10 +361,7 @@ def report(args: argparse.Namespace, results: Results, command: str) -> None:
     print("| build | commit | p50 ms (median over rounds) | p50 spread | p99 ms | server CPU ms per Step |")
     print("|---|---|---:|---:|---:|---:|")
     for name, tree in builds.items():
-        s = results.series[name]
-        print(f"| {name} | {commit_of(tree)} | {fmt(statistics.median(s.p50))} | "
-              f"{fmt(min(s.p50))}-{fmt(max(s.p50))} | {fmt(statistics.median(s.p99))} | "
-              f"{fmt(statistics.median(results.cpu_ms[name]))} |")  # fmt: skip
+        print(f"| {name} | {commit_of(tree)} | {results.decode[name].cells()} |")
     throughput_series = [
         (f"{args.throughput_clients} client threads", results.threads),
         (f"{args.client_processes} client processes", results.processes),
@@ -365,8 +383,8 @@ def report(args: argparse.Namespace, results: Results, command: str) -> None:
                       f"{fmt(statistics.median(t.client_cpu_ms))} |")  # fmt: skip
     print()
     ratio_rows = [
-        ("p50 round trip", ratios_of({name: results.series[name].p50 for name in builds})),
-        ("server CPU per Step", ratios_of(results.cpu_ms)),
+        ("p50 round trip", ratios_of({name: results.decode[name].round_trip.p50 for name in builds})),
+        ("server CPU per Step", ratios_of({name: results.decode[name].cpu_ms for name in builds})),
     ]
     for label, by_build in throughput_series:
         ratio_rows.append((f"throughput, {label}", ratios_of({name: by_build[name].rates for name in builds})))
@@ -376,9 +394,8 @@ def report(args: argparse.Namespace, results: Results, command: str) -> None:
         if not values:
             print(f"ratio this tree / baseline, {label}: none (too short to measure in any round)")
             continue
-        print(f"ratio this tree / baseline, {label}, median of per-round ratios: {statistics.median(values):.3f} "
-              f"(rounds: {min(values):.3f}-{max(values):.3f})")  # fmt: skip
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"ratio this tree / baseline, {label}, median of per-round ratios: {ratio_summary(values)}")
+    print(f"load average at the end: {load_averages()}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -392,8 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {lowest}")
     results = Results.empty({"baseline": args.baseline.resolve(), "this tree": ROOT})
     run(args, results)
-    command = "python bench/" + Path(__file__).name + " " + shlex.join(argv if argv is not None else sys.argv[1:])
-    report(args, results, command)
+    report(args, results, command_line(__file__, argv))
     return 0
 
 

@@ -44,8 +44,8 @@ from typing import Callable, Sequence
 
 import redis
 
-from bench_stats import fmt
-from mirror_report import Results, RunStart, header, med, row
+from bench_stats import alternating, fmt, med, row
+from mirror_report import Results, RunStart, header
 from mirror_rig import (
     BLOCK_SIZE,
     OK,
@@ -293,7 +293,7 @@ def section_scaling(index: int, plan: LookupPlan, cases: Sequence[ScaleCase], ma
             results.get_series(f"{case.key}:{name}:commands").add_value((calls_after - calls) / WORK_SAMPLES)
             results.get_series(f"{case.key}:{name}:redis_us").add_value((usec_after - usec) / WORK_SAMPLES)
         samples: dict[str, list[int]] = {name: [] for name in readers}
-        order = list(readers) if index % 2 == 0 else list(readers)[::-1]
+        order = alternating(list(readers), index)
         for _ in range(plan.scale_samples):
             for name in order:
                 start = now_ns()

@@ -68,10 +68,10 @@ from kv_manager_service.core import (
 )
 from kv_manager_service.core import hashing
 from kv_manager_service.core.block_pool import BlockPool
-from kv_tooling.replay import ReplayConfig, ReplayProgress, replay
+from kv_tooling.replay import ReplayConfig, replay
 from kv_tooling.workload import TokenExpander, load_trace
 
-from bench_stats import busy_machine_warning  # bench/ is the script's own folder
+from bench_stats import busy_machine_warning, fmt, replay_progress_printer  # bench/ is the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
@@ -610,17 +610,10 @@ def bench_replay(
         expander.prompt_token_ids(record)
     config = ReplayConfig(token_budget=token_budget, max_num_running=max_running, progress_every_steps=2000)
 
-    def show(p: ReplayProgress) -> None:
-        print(
-            f"  replay step {p.num_steps}: {p.num_completed} done, {p.num_running} running, "
-            f"{p.num_waiting} waiting, usage {p.usage:.0%}",
-            file=sys.stderr,
-        )
-
     results = []
     for round_index in range(rounds):
         manager = KVCacheManager(KVCacheConfig(num_blocks))
-        result = replay(manager, records, expander, config, show)
+        result = replay(manager, records, expander, config, replay_progress_printer("replay", len(records), manager))
         assert result.num_completed == len(records) and manager.stats().usage == 0
         print(f"  replay round {round_index + 1}/{rounds}: {result.wall_s:.1f} s", file=sys.stderr)
         results.append(result)
@@ -645,18 +638,6 @@ def bench_replay(
 
 
 # -- report ----------------------------------------------------------------------
-
-
-def fmt(value: float) -> str:
-    if isinstance(value, int):
-        return f"{value:,}"
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    if abs(value) >= 10:
-        return f"{value:.1f}"
-    if abs(value) >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
 
 
 def render(rows: Sequence[Row], command: str, seconds: float, rounds: int, trace_rounds: int) -> str:

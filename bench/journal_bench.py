@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_stats import fmt, percentile  # noqa: E402
+from bench_stats import Series, fmt, med  # noqa: E402
 
 from kv_manager_service.client import KVManagerClient  # noqa: E402
 from kv_manager_service.core import KVCacheConfig  # noqa: E402
@@ -159,8 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for client in clients.values():
                 for request_id in ids:
                     client.allocate(request_id, list(range(i := hash(request_id) % 1000, i + 100)), 100)
-            p50: dict[str, list[float]] = {name: [] for name in CONFIGS}
-            p99: dict[str, list[float]] = {name: [] for name in CONFIGS}
+            series = {name: Series() for name in CONFIGS}  # round trips in ms
             token = 0
             for _ in range(args.rounds):
                 for name, client in clients.items():
@@ -170,13 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         started = time.perf_counter_ns()
                         client.decode(ids, [token] * BATCH)
                         samples.append((time.perf_counter_ns() - started) / 1e6)
-                    p50[name].append(statistics.median(samples))
-                    p99[name].append(percentile(samples, 99))
-            base50, base99 = statistics.median(p50["no journal"]), statistics.median(p99["no journal"])
+                    series[name].add_samples(samples, scale=1)
+            base50, base99 = med(series["no journal"]), med(series["no journal"], "p99")
             print(f"256-request decode Step round trip, {args.rounds} rounds x {args.steps} steps")
             print(f"{'configuration':<24} {'p50 ms':>8} {'ratio':>6} {'p99 ms':>8} {'ratio':>6}")
             for name in CONFIGS:
-                m50, m99 = statistics.median(p50[name]), statistics.median(p99[name])
+                m50, m99 = med(series[name]), med(series[name], "p99")
                 print(f"{name:<24} {fmt(m50):>8} {m50 / base50:>6.2f} {fmt(m99):>8} {m99 / base99:>6.2f}")
         finally:
             for client in clients.values():

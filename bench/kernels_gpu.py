@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import shlex
 import statistics
 import sys
 from collections.abc import Callable
@@ -26,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
+
+from bench_stats import command_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode: batch {batch}, context {context}, {num_q_heads} q / {num_kv_heads} kv heads, head_dim {head_dim}, "
           f"bf16, block_size {block_size}, shuffled block table; KV read per step {kv_bytes / 2**30:.3f} GiB")
     print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; python {platform.python_version()}")
-    print("command: python " + shlex.join(["bench/kernels_gpu.py", *(argv if argv is not None else sys.argv[1:])]))
+    print(f"command: {command_line(__file__, argv)}")
     print()
     print(f"| kernel | config | median us | TB/s | of {PEAK_TB_S} TB/s |")
     print("|---|---|---:|---:|---:|")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import redis
 
+from bench_stats import alternating, print_round
 from kv_manager_service.shared.events import BlockRemoved, BlockStored
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
 from kv_manager_service.mirror.publisher import EntryPublisher
@@ -75,10 +76,9 @@ def main() -> None:
         samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in publishers}
         for index in range(args.rounds):
             stored, removed = step_events(index)
-            order = list(publishers) if index % 2 else list(reversed(publishers))
-            for name in order:
+            for name in alternating(list(publishers), index):
                 samples[name].append((*timed_apply(publishers[name], stored), *timed_apply(publishers[name], removed)))
-            print(f"round {index + 1}/{args.rounds}", file=sys.stderr)
+            print_round(index, args.rounds)
         for publisher in publishers.values():
             publisher.close()
     finally:

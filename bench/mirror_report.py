@@ -1,4 +1,4 @@
-"""The report of the Redis-mirror benchmarks: per-round series, the table's rows and the paragraph above it.
+"""The report of the Redis-mirror benchmarks: per-round series, the table's header and the paragraph above it.
 
 Each figure is the median over rounds of the per-round figure; the spread
 column shows the lowest and highest round's p50.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 from typing import NamedTuple, Sequence
@@ -17,7 +16,7 @@ from typing import NamedTuple, Sequence
 import grpc
 import redis
 
-from bench_stats import Series, fmt
+from bench_stats import Series
 
 TABLE_HEADER = [
     "| # | metric | p50 | p99 | unit | spread (round p50s) | target | note |",
@@ -30,20 +29,6 @@ class Results(dict):
 
     def get_series(self, key: str) -> Series:
         return self.setdefault(key, Series())
-
-
-def med(series: Series, which: str = "p50") -> float:
-    return statistics.median(getattr(series, which))
-
-
-def row(number: str, metric: str, series: Series, unit: str, target: str = "", note: str = "",
-        met: bool | None = None) -> str:
-    p50 = fmt(med(series)) if series.p50 else "n/a"
-    p99 = fmt(med(series, "p99")) if series.p99 else ""
-    spread = f"{fmt(min(series.p50))} - {fmt(max(series.p50))}" if len(series.p50) > 1 else ""
-    if met is not None:
-        target = f"{target} ({'met' if met else 'MISSED'})"
-    return f"| {number} | {metric} | {p50} | {p99} | {unit} | {spread} | {target} | {note} |"
 
 
 class RunStart(NamedTuple):

@@ -25,7 +25,8 @@ from typing import Callable, Mapping, Sequence
 import grpc
 import redis
 
-from process_cpu import cpu_s, cpu_with_children_s
+from bench_stats import print_round
+from process_cpu import cpu_with_children_s
 from kv_manager_service.cli.flags import build_config
 from kv_manager_service.cli.main import make_parser as serve_parser
 from kv_manager_service.core import BlockHasher, KVCacheConfig
@@ -75,8 +76,7 @@ def run_rounds(rounds: int, one_round: Callable[[int], Sequence[str]]) -> None:
     for index in range(rounds):
         round_start = now_ns()
         figures = one_round(index)
-        print(f"round {index + 1}/{rounds}: {(now_ns() - round_start) / 1e9:.1f} s; {'; '.join(figures)}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print_round(index, rounds, f"{(now_ns() - round_start) / 1e9:.1f} s; {'; '.join(figures)}")
 
 
 def server_argv(name: str, num_blocks: int, redis_url: str | None = None, model_name: str = "default") -> list[str]:

@@ -60,8 +60,8 @@ from typing import Sequence
 
 import redis
 
-from bench_stats import fmt
-from mirror_report import Results, RunStart, header, med, row
+from bench_stats import alternating, fmt, med, row
+from mirror_report import Results, RunStart, header
 from mirror_rig import (
     BLOCK_SIZE,
     OK,
@@ -252,7 +252,7 @@ def section_step(index: int, plan: WriterPlan, servers: dict[str, MirrorServer],
     """Both servers hold the same requests and run the same Steps, interleaved in chunks (decode_chunks), so
     both see the same moments of a noisy machine while the on-server's writer has its own chunk to publish in."""
     work = StepWork(f"r{index}", plan.num_requests, random.Random(index), hasher)
-    order = ["off", "on"] if index % 2 == 0 else ["on", "off"]
+    order = alternating(["off", "on"], index)
     for tag in order:
         admit(servers[tag], work, results, tag, poller, schema)
     stubs = {tag: servers[tag].stub for tag in order}

@@ -75,7 +75,7 @@ import grpc
 from google.protobuf import __version__ as protobuf_version
 from google.protobuf.internal import api_implementation
 
-from bench_stats import Series, fmt
+from bench_stats import Series, fmt, med, print_round, row
 from process_cpu import cpu_s
 from kv_manager_service.cli.flags import build_config
 from kv_manager_service.cli.main import make_parser as serve_parser
@@ -278,9 +278,9 @@ PHASES = (
     ("step_ops", "wire.step_ops: the DecodeBatch's two columns as lists"),
     ("checks", "Replica.step: token/op limits"),
     ("core", "core: KVCacheManager.step (its StepDelta included)"),
-    ("delta", "wire.step_delta + SerializeToString: the logged StepDelta"),
-    ("log", "step log append (BroadcastLog)"),
+    ("log", "step log append (BroadcastLog, the StepDelta value)"),
     ("events", "_publish_events: take_events (converted when sent)"),
+    ("delta", "wire.step_delta + SerializeToString: the delta a worker's stream sends, once per step, off the lock"),
     ("assemble", "StepResponse + wire.decode_results (columns in place)"),
     ("encode", "response encode: SerializeToString"),
 )
@@ -317,12 +317,12 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
             t3 = now_ns()
             result = manager.step(ops, decode=decode)
             t4 = now_ns()
-            delta = wire.step_delta(result.delta).SerializeToString()
+            replica.steps.append(result.delta)
             t5 = now_ns()
-            replica.steps.append(delta)
-            t6 = now_ns()
             replica._publish_events()
-            t7 = now_ns()
+            t6 = now_ns()
+        wire.step_delta(result.delta).SerializeToString()  # the workers' stream, once per step (servicer)
+        t7 = now_ns()
         response = pb.StepResponse(step_id=result.step_id)
         response.results.extend([wire.step_result(r) for r in result.results])
         wire.decode_results(result.decode, response.decode)
@@ -351,7 +351,7 @@ def measure_breakdown(results: Results, servicer: KVManagerServicer, work: Workl
         if i >= plan.warmup:
             for key, start, end in (
                 ("decode", t0, t1), ("step_ops", t1, t2), ("checks", t2, t3), ("core", t3, t4),
-                ("delta", t4, t5), ("log", t5, t6), ("events", t6, t7), ("assemble", t7, t9), ("encode", t9, t10),
+                ("log", t4, t5), ("events", t5, t6), ("delta", t6, t7), ("assemble", t7, t9), ("encode", t9, t10),
                 ("c_build", c0, c1), ("c_encode", c1, c2), ("c_parse", c2, c3), ("c_tuples", c3, c4),
             ):
                 phase_ns[key].append(end - start)
@@ -550,7 +550,7 @@ def run_round(
 # Categories of py-spy stacks, first match wins (a frame anywhere in the stack).
 PROFILE_CATEGORIES = (
     ("events", "event publishing (_publish_events, wire.kv_event)", ("_publish_events (",)),
-    ("delta", "wire.step_delta (the logged StepDelta)", ("step_delta (kv_manager_service/wire.py",)),
+    ("delta", "wire.step_delta (a delta serialized for the workers' streams)", ("step_delta (kv_manager_service/wire.py",)),
     ("log", "step log append", ("(kv_manager_service/broadcast_log.py",)),
     ("core", "core step (KVCacheManager.step)", ("KVCacheManager.step (",)),
     ("step_ops", "wire.step_ops (the decode columns as lists)", ("step_ops (", "step_ops.<locals>")),
@@ -645,19 +645,8 @@ def profile_server(
 # -- report ------------------------------------------------------------------------
 
 
-def row(number: str, metric: str, series: Series, unit: str, target: str = "", note: str = "",
-        met: bool | None = None) -> str:
-    p50 = statistics.median(series.p50)
-    p99 = fmt(statistics.median(series.p99)) if series.p99 else ""
-    spread = f"{fmt(min(series.p50))} - {fmt(max(series.p50))}" if len(series.p50) > 1 else ""
-    if met is not None:
-        target = f"{target} ({'met' if met else 'MISSED'})"
-    return f"| {number} | {metric} | {fmt(p50)} | {p99} | {unit} | {spread} | {target} | {note} |"
-
-
 def render(results: Results, plan: Plan, command: str, seconds: float, server_argv: Sequence[str]) -> list[str]:
     s = results.series
-    med = lambda key: statistics.median(s[key].p50)  # noqa: E731
     lines = [
         "# RPC benchmarks",
         "",
@@ -678,14 +667,14 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
         row("2", "Step, 1 decode op (columnar)", s["raw1"], "ms", note="raw stub, prebuilt request"),
         row("2", "Step, 64 decode ops (columnar)", s["raw64"], "ms", note="raw stub, prebuilt request"),
         row("2", "Step, 256 decode ops (columnar)", s["raw256"], "ms", f"<= {TARGET_STEP_256_P50_MS}",
-            "raw stub, prebuilt request", met=med("raw256") <= TARGET_STEP_256_P50_MS),
+            "raw stub, prebuilt request", met=med(s["raw256"]) <= TARGET_STEP_256_P50_MS),
         row("2", "  of which Steps that fill a block in every request (1 in 16)", s["raw256_fill"], "ms",
             note="hashing, 256 table changes, 256 events"),
         row("2", "  of which the other Steps", s["raw256_nofill"], "ms"),
         row("2", "Step, 256 decode ops, pre-serialized bytes", s["bytes256"], "ms",
             note="no client-side proto encode/decode"),
         row("2", "Step, 256 decode ops via KVManagerClient.decode", s["client256"], "ms", f"<= {TARGET_STEP_256_P50_MS}",
-            "builds the request, typed result", met=med("client256") <= TARGET_STEP_256_P50_MS),
+            "builds the request, typed result", met=med(s["client256"]) <= TARGET_STEP_256_P50_MS),
         row("2", "Step, 256 ops as nested `ops` (AllocateRequest each)", s["nested256"], "ms",
             note="raw stub, prebuilt request"),
         row("2", "Step, 256 ops via KVManagerClient.step(AllocateOps)", s["clientstep256"], "ms",
@@ -701,30 +690,30 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
         row("3", "256-op columnar Step p50 minus GetStats p50", s["over_floor"], "ms",
             note="the ops' own cost over the floor"),
         row("4", "throughput, 256-op Steps, 1 client back-to-back", s["tput1"], "req-steps/s",
-            f">= {TARGET_REQUEST_STEPS_PER_S:,}", met=med("tput1") >= TARGET_REQUEST_STEPS_PER_S),
+            f">= {TARGET_REQUEST_STEPS_PER_S:,}", met=med(s["tput1"]) >= TARGET_REQUEST_STEPS_PER_S),
         row("4", "  mean wall per Step in that run", s["tput1_step_ms"], "ms"),
         row("4", "  server process CPU per Step (all threads)", s["server_cpu_ms"], "ms", note="/proc/PID/stat"),
         row("4", "  client process CPU per Step", s["client_cpu_ms"], "ms", note="time.process_time"),
         row("4", "throughput, 256-op Steps, 2 clients in threads", s["tput2"], "req-steps/s",
             f">= {TARGET_REQUEST_STEPS_PER_S:,}", "own connection and request set each",
-            met=med("tput2") >= TARGET_REQUEST_STEPS_PER_S),
+            met=med(s["tput2"]) >= TARGET_REQUEST_STEPS_PER_S),
     ]
     if "vllm_step" in s:
         lines += [
             row("5", "vLLM's own manager, in-process: 256-request decode step", s["vllm_step"], "ms",
                 note="one run per round, right after this round's Steps; its p50 over the run"),
             row("5", "**ratio: columnar Step round trip p50 / vLLM in-process step p50**", s["ratio_raw_vllm"], "x",
-                "<= 1.0", "per round, same round", met=med("ratio_raw_vllm") <= 1.0),
+                "<= 1.0", "per round, same round", met=med(s["ratio_raw_vllm"]) <= 1.0),
             row("5", "ratio: KVManagerClient.decode p50 / vLLM in-process step p50", s["ratio_client_vllm"], "x"),
             row("5", "admission of 256 random 1,000-token prompts, one Step", s["admit256"], "ms",
                 note="hashing, lookup, allocation; one per round"),
             row("5", "vLLM's own manager: the same admission, in-process", s["vllm_admit"], "ms",
                 note="request construction with hashing, lookup, allocation"),
             row("5", "**ratio: admission Step / vLLM in-process admission**", s["ratio_admit_vllm"], "x",
-                "<= 1.0", met=med("ratio_admit_vllm") <= 1.0),
+                "<= 1.0", met=med(s["ratio_admit_vllm"]) <= 1.0),
         ]
     p = results.phases
-    mean_total = statistics.median(p["pipeline:mean"].p50)
+    mean_total = med(p["pipeline:mean"])
     lines += [
         "",
         "## Where a 256-op decode Step's time goes (servicer pipeline in-process, no gRPC)",
@@ -738,24 +727,24 @@ def render(results: Results, plan: Plan, command: str, seconds: float, server_ar
         "|---|---:|---:|---:|---|---:|",
     ]
     for key, label in PHASES:
-        mean = statistics.median(p[key + ":mean"].p50)
-        lines.append(f"| {label} | {fmt(statistics.median(p[key].p50))} | {fmt(statistics.median(p[key].p99))} | "
+        mean = med(p[key + ":mean"])
+        lines.append(f"| {label} | {fmt(med(p[key]))} | {fmt(med(p[key], 'p99'))} | "
                      f"{fmt(mean)} | us | {mean / mean_total:.1%} |")
     for key, label in (("pipeline", "**sum of the server phases**"),
                        ("whole", "servicer.Step end to end (FromString .. SerializeToString)"),
                        ("whole_nogc", "  the same with gc disabled")):
-        lines.append(f"| {label} | {fmt(statistics.median(p[key].p50))} | {fmt(statistics.median(p[key].p99))} | "
-                     f"{fmt(statistics.median(p[key + ':mean'].p50))} | us | |")
+        lines.append(f"| {label} | {fmt(med(p[key]))} | {fmt(med(p[key], 'p99'))} | "
+                     f"{fmt(med(p[key + ':mean']))} | us | |")
     for key, label in CLIENT_PHASES:
-        lines.append(f"| {label} | {fmt(statistics.median(p[key].p50))} | {fmt(statistics.median(p[key].p99))} | "
-                     f"{fmt(statistics.median(p[key + ':mean'].p50))} | us | |")
-    whole_ms = statistics.median(p["whole:mean"].p50) / 1e3
+        lines.append(f"| {label} | {fmt(med(p[key]))} | {fmt(med(p[key], 'p99'))} | "
+                     f"{fmt(med(p[key + ':mean']))} | us | |")
+    whole_ms = med(p["whole:mean"]) / 1e3
     lines += [
         "",
-        f"gRPC's share, by difference: server CPU per Step {fmt(med('server_cpu_ms'))} ms minus the servicer's mean "
-        f"{fmt(whole_ms)} ms = {fmt(med('server_cpu_ms') - whole_ms)} ms per Step in gRPC (C-core + Python "
-        f"glue, thread hand-offs); the columnar round trip p50 {fmt(med('raw256'))} ms vs the servicer's p50 "
-        f"{fmt(statistics.median(p['whole'].p50) / 1e3)} ms.",
+        f"gRPC's share, by difference: server CPU per Step {fmt(med(s['server_cpu_ms']))} ms minus the servicer's mean "
+        f"{fmt(whole_ms)} ms = {fmt(med(s['server_cpu_ms']) - whole_ms)} ms per Step in gRPC (C-core + Python "
+        f"glue, thread hand-offs); the columnar round trip p50 {fmt(med(s['raw256']))} ms vs the servicer's p50 "
+        f"{fmt(med(p['whole']) / 1e3)} ms.",
     ]
     return lines
 
@@ -815,9 +804,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             round_start = now_ns()
             run_round(index, plan, server, client, client2, manager, servicer, results)
             vllm = f", vLLM in-process {results.get('vllm_step').p50[-1]:.2f} ms" if plan.vllm else ""
-            print(f"round {index + 1}/{plan.rounds}: {(now_ns() - round_start) / 1e9:.1f} s, 256-op Step p50 "
-                  f"{results.get('raw256').p50[-1]:.2f} ms, in-process {results.get('inproc').p50[-1]:.2f} ms{vllm}",
-                  file=sys.stderr, flush=True)
+            print_round(index, plan.rounds, f"{(now_ns() - round_start) / 1e9:.1f} s, 256-op Step p50 "
+                        f"{results.get('raw256').p50[-1]:.2f} ms, in-process {results.get('inproc').p50[-1]:.2f} ms{vllm}")
         profile_lines = []
         if args.profile_server is not None:
             profile_lines = profile_server(

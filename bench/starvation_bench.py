@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import shlex
 import signal
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import grpc
+from bench_stats import command_line
 from build_ab_bench import start
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_cpu import cpu_s
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lookup-clients", type=int, default=32, help="cluster lookup threads of part 4 (default %(default)s)")
     args = parser.parse_args(argv)
     builds = {"this tree": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
-    print(f"command: python bench/{Path(__file__).name} {shlex.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"command: {command_line(__file__, argv)}")
     with tempfile.TemporaryDirectory() as directory:
         for index, (name, tree) in enumerate(builds.items()):
             server = start(tree, BIG_STEP_OPS + 300_000, Path(directory) / f"{index}.log")

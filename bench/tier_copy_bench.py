@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from bench_stats import command_line, load_averages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -144,12 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else f"CPU only ({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}): caches and host "
         "buffer both in RAM, so these are CPU copy rates, not a link's"
     )
-    command = shlex.join(["python", "bench/" + Path(__file__).name, *(argv if argv is not None else sys.argv[1:])])
+    command = command_line(__file__, argv)
     print("# Host-tier copy throughput (HostKVBuffer.offload / onload)")
     print()
     print(f"Command: `{command}`; {where}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds of {args.repeats} timed calls each; {time.perf_counter() - started:.0f} s; "
-          f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}.")  # fmt: skip
+          f"load average at the end {load_averages()}.")  # fmt: skip
     print()
     print("| model | dtype | blocks per step | MiB per step | direction | GB/s (median) | rounds' range |")
     print("|---|---|---:|---:|---|---:|---|")

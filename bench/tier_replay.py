@@ -25,12 +25,11 @@ are at least write-back's (its host holds a superset of recent blocks).
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-import time
 from collections import OrderedDict
 from pathlib import Path
 
+from bench_stats import command_line, replay_progress_printer
 from kv_tooling.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_manager_service.core import BlockStored, GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
 from kv_manager_service.shared.events import Tier
@@ -76,20 +75,12 @@ def run(
     )
     manager = KVCacheManager(config)
     print(f"[{label}] device {num_blocks:,} blocks, host {num_host_blocks:,} blocks", file=sys.stderr, flush=True)
-    start = time.perf_counter()
+    show = replay_progress_printer(label, len(records), manager, every_steps=500)
 
     def progress(p: ReplayProgress) -> None:
         if write_through is not None:
             write_through.consume(manager)  # drained every step: the queue never grows
-        if p.num_steps % 500 == 0:
-            stats = manager.stats()
-            rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-            print(
-                f"  [{label}] step {p.num_steps:>6}: {p.num_completed:>5}/{len(records)} done, usage {p.usage:6.1%}, "
-                f"hits {rate:6.1%}, {time.perf_counter() - start:6.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+        show(p)
 
     result = replay(manager, records, TokenExpander(), ReplayConfig(progress_every_steps=1), progress=progress)
     if write_through is not None:
@@ -148,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nhost evictions {tier.num_host_evictions:,}, offloads dropped (every host block pinned) "
         f"{tier.num_dropped_offloads:,}"
     )
-    print(f"\ncommand: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"\ncommand: {command_line(__file__, argv)}")
     return 0
 
 

@@ -20,30 +20,22 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shlex
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from bench_stats import Series, fmt
-from build_ab_bench import decode_round, start
+from bench_stats import alternating, command_line, fmt, load_averages, per_round_ratios, print_round, ratio_summary
+from build_ab_bench import NUM_REQUESTS, DecodeSeries, pool_blocks, start
 from rpc_bench import BLOCK_SIZE, PROMPT_LEN, Workload, admit_rpc, make_client
 
 from kv_manager_service.client import KVManagerClient
 from kvcache.v1 import kv_manager_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
-NUM_REQUESTS = 256
 TARGET_RATIO = 1.05
 NO_TIER, TIER = "no tier", "empty tier"
-
-
-def pool_blocks(rounds: int, warmup: int, steps: int) -> int:
-    """A device pool that holds every request to the end of the run: no eviction, so nothing reaches the tier."""
-    tokens_per_request = PROMPT_LEN + rounds * (warmup + steps) + BLOCK_SIZE
-    return NUM_REQUESTS * (-(-tokens_per_request // BLOCK_SIZE) + 1) + 1024
 
 
 def check_tier_empty(client: KVManagerClient, num_host_blocks: int) -> pb.GetStatsResponse:
@@ -71,12 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
-    num_blocks = pool_blocks(args.rounds, args.warmup, args.steps)
+    # Every request is held to the end of the run: no eviction, so nothing reaches the tier.
+    num_blocks = pool_blocks(PROMPT_LEN + args.rounds * (args.warmup + args.steps) + BLOCK_SIZE)
     extra_args = {NO_TIER: (), TIER: ("--num-host-blocks", str(args.num_host_blocks))}
-    series = {name: Series() for name in extra_args}
-    cpu_ms: dict[str, list[float]] = {name: [] for name in extra_args}  # server CPU ms per Step, per round
-    ratios: list[float] = []
-    cpu_ratios: list[float] = []
+    decode = {name: DecodeSeries() for name in extra_args}
     work = Workload("tier", NUM_REQUESTS, random.Random(0))
     with tempfile.TemporaryDirectory() as directory:
         servers = {
@@ -88,17 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for client in clients.values():
                 admit_rpc(client, work)
             for round_index in range(args.rounds):
-                order = list(extra_args) if round_index % 2 == 0 else list(reversed(extra_args))
-                p50 = {}
-                for name in order:
-                    samples, cpu_per_step = decode_round(clients[name], work, servers[name].pid, args.warmup, args.steps)
-                    cpu_ms[name].append(cpu_per_step)
-                    series[name].add_samples(samples)
-                    p50[name] = statistics.median(samples) / 1e6
-                ratios.append(p50[TIER] / p50[NO_TIER])
-                cpu_ratios.append(cpu_ms[TIER][-1] / cpu_ms[NO_TIER][-1])
-                print(f"round {round_index + 1}/{args.rounds}: " + ", ".join(
-                    f"{name} {p50[name]:.2f} ms" for name in extra_args), file=sys.stderr, flush=True)  # fmt: skip
+                for name in alternating(list(extra_args), round_index):
+                    decode[name].measure(clients[name], work, servers[name].pid, args.warmup, args.steps)
+                print_round(round_index, args.rounds,
+                            ", ".join(f"{name} {decode[name].round_trip.p50[-1]:.2f} ms" for name in extra_args))
             stats = check_tier_empty(clients[TIER], args.num_host_blocks)
             for client in clients.values():
                 client.close()
@@ -106,12 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for server in servers.values():
                 server.stop()
 
-    command = "python bench/" + Path(__file__).name + " " + shlex.join(argv if argv is not None else sys.argv[1:])
-    ratio = statistics.median(ratios)
+    command = command_line(__file__, argv)
+    ratios = per_round_ratios(decode[TIER].round_trip.p50, decode[NO_TIER].round_trip.p50)
+    cpu_ratios = per_round_ratios(decode[TIER].cpu_ms, decode[NO_TIER].cpu_ms)
     print(f"# Cost of an empty host tier: 256-request decode Step round trip (columnar), {args.rounds} alternating "
           f"rounds of {args.steps} Steps after {args.warmup} warm-up")  # fmt: skip
     print()
-    print(f"Command: `{command.strip()}`; both servers `kv-manager serve --num-blocks {num_blocks:,}`, the tier one "
+    print(f"Command: `{command}`; both servers `kv-manager serve --num-blocks {num_blocks:,}`, the tier one "
           f"with `--num-host-blocks {args.num_host_blocks:,}`; {os.cpu_count()} CPUs. The tier stayed empty: "
           f"{stats.num_offloaded_blocks} offloads, {stats.num_free_host_blocks:,} of {stats.num_host_blocks:,} host "
           "blocks free at the end.")  # fmt: skip
@@ -119,22 +103,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| round | " + " | ".join(f"{name} p50 ms" for name in extra_args) + " | ratio tier / no tier |")
     print("|---:|" + "---:|" * (len(extra_args) + 1))
     for index, round_ratio in enumerate(ratios):
-        print(f"| {index + 1} | " + " | ".join(fmt(series[name].p50[index]) for name in extra_args)
+        print(f"| {index + 1} | " + " | ".join(fmt(decode[name].round_trip.p50[index]) for name in extra_args)
               + f" | {round_ratio:.3f} |")  # fmt: skip
     print()
     print("| server | p50 ms (median over rounds) | p50 spread | p99 ms | server CPU ms per Step |")
     print("|---|---:|---:|---:|---:|")
     for name in extra_args:
-        s = series[name]
-        print(f"| {name} | {fmt(statistics.median(s.p50))} | {fmt(min(s.p50))}-{fmt(max(s.p50))} | "
-              f"{fmt(statistics.median(s.p99))} | {fmt(statistics.median(cpu_ms[name]))} |")  # fmt: skip
+        print(f"| {name} | {decode[name].cells()} |")
     print()
-    verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
-    print(f"ratio empty tier / no tier, p50 round trip, median of per-round ratios: {ratio:.3f} "
-          f"(rounds {min(ratios):.3f}-{max(ratios):.3f}); target <= {TARGET_RATIO} ({verdict})")  # fmt: skip
-    print(f"ratio empty tier / no tier, server CPU per Step, median of per-round ratios: "
-          f"{statistics.median(cpu_ratios):.3f} (rounds {min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})")  # fmt: skip
-    print(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    verdict = "met" if statistics.median(ratios) <= TARGET_RATIO else "MISSED"
+    print(f"ratio empty tier / no tier, p50 round trip, median of per-round ratios: {ratio_summary(ratios)}; "
+          f"target <= {TARGET_RATIO} ({verdict})")
+    if cpu_ratios:
+        print(f"ratio empty tier / no tier, server CPU per Step, median of per-round ratios: {ratio_summary(cpu_ratios)}")
+    print(f"load average at the end: {load_averages()}")
     return 0
 
 
