@@ -16,8 +16,17 @@ Each step is split at the model's calls:
 
 Figures are the p50 over `--steps` steps (after `--warmup` steps), in ms.
 
+With `--read-guard`, it times the worker's read guard alone (the host-side
+`check` and `record_written` of `gpu_worker/kv_presence.py`), the median of
+`--rounds` rounds, in two shapes: a decode step, where every request
+continues where its last Execute left off, so nothing is checked block by
+block; and a first Execute, where every request reads a context it got as a
+prefix hit, so every block of it is scanned (the first step after an
+admission with a long hit).
+
     python bench/worker_step_bench.py                              # vocab 32000 and 128256, batch 1/32/256
     python bench/worker_step_bench.py --vocab 128256 --batch 256 --temperature 1
+    python bench/worker_step_bench.py --read-guard                 # context 1000, batch 1/32/256
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels
-from gpu_worker.kv_presence import TokenSpan
+from gpu_worker.kv_presence import KVPresence, TokenSpan
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape, ScheduledRequest
@@ -54,8 +63,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--temperature", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures (0: greedy)"
     )
-    parser.add_argument("--context", type=int, default=128, help="tokens already in each request's cache")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument(
+        "--context", type=int, default=None, help="tokens already in each request's cache (default 128; 1000 with --read-guard)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per configuration (default 10; 50 with --read-guard)"
+    )
+    parser.add_argument("--read-guard", action="store_true", help="time the read guard alone (see above)")
+    parser.add_argument("--rounds", type=int, default=5, help="--read-guard: rounds, the median of their medians")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     return parser
@@ -130,8 +145,63 @@ def bench_one(vocab_size: int, batch: int, temperature: float, args: argparse.Na
             (("prepare", prepare), ("sampling", sampling), ("execute", execute))}  # fmt: skip
 
 
+def presence_with(batch: int, context: int, num_positions: int) -> KVPresence:
+    """`batch` requests r0.. each with blocks for `num_positions` positions, the first `context` of them filled."""
+    blocks_per_request = -(-num_positions // BLOCK_SIZE)
+    presence = KVPresence(1 + batch * blocks_per_request, [BLOCK_SIZE], [0])
+    delta = pb.StepDelta(step_id=1)
+    for index in range(batch):
+        first = 1 + index * blocks_per_request
+        row = delta.rows_added.add(request_id=f"r{index}")
+        row.groups.add(group_id=0, block_ids=range(first, first + blocks_per_request))
+    presence.apply_step(delta)
+    presence.record_written([TokenSpan(f"r{index}", 0, context) for index in range(batch)])
+    return presence
+
+
+def decode_ms(batch: int, context: int, steps: int) -> float:
+    presence = presence_with(batch, context, context + steps)
+    times = []
+    for step in range(steps):
+        spans = [TokenSpan(f"r{index}", context + step, 1) for index in range(batch)]
+        started = time.perf_counter()
+        assert presence.check(spans) is None
+        presence.record_written(spans)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def first_execute_ms(batch: int, context: int, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        presence = presence_with(batch, context, context + 1)
+        presence.num_computed_here.clear()  # as after an admission: nothing executed here for them yet
+        spans = [TokenSpan(f"r{index}", context, 1) for index in range(batch)]
+        started = time.perf_counter()
+        assert presence.check(spans) is None
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def read_guard_report(args: argparse.Namespace) -> None:
+    print(f"read guard per Execute, context {args.context} tokens, blocks of {BLOCK_SIZE}; median of {args.rounds} rounds")
+    print("| requests | decode step (ms) | first Execute, full scan (ms) |")
+    print("|---:|---:|---:|")
+    for batch in args.batch:
+        decode = statistics.median(decode_ms(batch, args.context, args.steps) for _ in range(args.rounds))
+        first = statistics.median(first_execute_ms(batch, args.context, 5) for _ in range(args.rounds))
+        print(f"| {batch} | {decode:.3f} | {first:.2f} |")
+
+
 def main() -> None:
     args = make_parser().parse_args()
+    if args.read_guard:
+        args.context = 1000 if args.context is None else args.context
+        args.steps = 50 if args.steps is None else args.steps
+        read_guard_report(args)
+        return
+    args.context = 128 if args.context is None else args.context
+    args.steps = 10 if args.steps is None else args.steps
     torch.set_num_threads(args.threads)
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
           f"context {args.context}, p50 of {args.steps} steps (ms)")  # fmt: skip

@@ -43,11 +43,22 @@ loss can leave the file longer than what reached the disk). Its call was
 never answered. Any other damage refuses the start, naming the byte offset,
 and leaves the file as it is. A bad last record whose header checks cannot
 be told from a torn write, so it is cut too, unless it is a compacted
-journal's snapshot (its header says one follows).
+journal's snapshot (its header says one follows). A compacted journal whose
+header says a snapshot follows but whose next record is not one (the file
+was cut after its header) is refused the same way.
+
+One journal, one writer. `open` takes an exclusive lock (`flock`) on
+`<journal>.lock` before it reads or changes anything, and the journal holds
+it until `close` or the process's death; the holder writes its pid there. A
+second manager on the same journal is refused at open (JournalError naming
+the journal and the holder's pid) rather than append to the same file, or,
+after the holder's compaction renamed a new file over it, to an unlinked
+one. The lock file is never renamed or deleted, so compaction keeps the lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import struct
@@ -66,6 +77,7 @@ FORMAT_VERSION = 4  # written by this manager
 READ_FORMAT_VERSIONS = (2, 3, 4)
 DEFAULT_COMPACT_BYTES = 16 << 20
 COMPACTING_SUFFIX = ".compacting"
+LOCK_SUFFIX = ".lock"
 FSYNC_POLICIES = ("always", "never")
 _FRAME = struct.Struct("<III")  # payload length, payload CRC-32, CRC-32 of the first 8 bytes
 _FORMAT_1_FRAME = struct.Struct("<II")  # payload length, payload CRC-32
@@ -80,11 +92,12 @@ class Journal:
     """An open journal: the records it held when opened, and appends from then on."""
 
     def __init__(
-        self, path: Path, fd: int, fsync: str, records: list[pb.JournalRecord], header: pb.JournalHeader,
-        compact_bytes: int, num_bytes: int, snapshot_end: int, file_format: int,
+        self, path: Path, fd: int, lock_fd: int, fsync: str, records: list[pb.JournalRecord],
+        header: pb.JournalHeader, compact_bytes: int, num_bytes: int, snapshot_end: int, file_format: int,
     ) -> None:  # fmt: skip
         self.path = path
         self.fd = fd
+        self.lock_fd = lock_fd  # holds the exclusive lock on <journal>.lock until closed
         self.fsync = fsync == "always"
         self.records = records  # as read at open, header excluded
         self.num_appended = 0
@@ -107,7 +120,8 @@ class Journal:
     ) -> "Journal":
         """Open (or create) the journal at `path` for this replica and pool, reading what it holds.
 
-        Cuts a torn tail off the file; raises JournalError, the file untouched, on any other damage.
+        Cuts a torn tail off the file; raises JournalError, the file untouched, on any other damage,
+        and when another process holds the journal's lock.
         A new journal's header that cannot be written goes to `on_write_failure` (None: raises),
         as every later append's failure goes to the replica's. `compact_bytes`: see the module
         docstring; 0 never compacts.
@@ -118,6 +132,10 @@ class Journal:
             raise ValueError(f"journal compact_bytes must be >= 0, got {compact_bytes}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise JournalError(f"cannot open the journal {path}: {error.strerror}") from error
+        lock_fd = _lock(path)
+        try:
             unfinished = path.with_name(path.name + COMPACTING_SUFFIX)
             if unfinished.exists():
                 log.warning(
@@ -127,7 +145,9 @@ class Journal:
                 unfinished.unlink()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as error:
+            os.close(lock_fd)
             raise JournalError(f"cannot open the journal {path}: {error.strerror}") from error
+        journal = None
         try:
             size = os.fstat(fd).st_size
             data = os.pread(fd, size, 0) if size else b""
@@ -143,7 +163,9 @@ class Journal:
             header = pb.JournalHeader(format_version=FORMAT_VERSION, replica_id=replica_id, pool=pool)
             snapshot_end = ends[1] if len(records) > 1 and records[1].WhichOneof("entry") == "snapshot" else 0
             file_format = records[0].header.format_version if records else FORMAT_VERSION
-            journal = cls(path, fd, fsync, records[1:], header, compact_bytes, valid_bytes, snapshot_end, file_format)
+            journal = cls(
+                path, fd, lock_fd, fsync, records[1:], header, compact_bytes, valid_bytes, snapshot_end, file_format
+            )  # fmt: skip
             if records:
                 return journal
             try:
@@ -154,7 +176,11 @@ class Journal:
                 raise
             return journal
         except BaseException:
-            os.close(fd)
+            if journal is not None:
+                journal.close()
+            else:
+                os.close(fd)
+                os.close(lock_fd)
             raise
 
     def append(self, record: pb.JournalRecord) -> None:
@@ -220,9 +246,47 @@ class Journal:
         return True
 
     def close(self) -> None:
+        """Close the file and release the lock; closing again does nothing."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # releases the flock
+            self.lock_fd = -1
+
+    def __del__(self) -> None:  # a journal dropped unclosed releases its lock, as a dropped file closes
+        self.close()
+
+
+def _lock(path: Path) -> int:
+    """The descriptor of `<path>.lock`, locked exclusively and holding this process's pid.
+
+    Raises JournalError when another process holds the lock, naming its pid when the file gives it.
+    """
+    lock_path = path.with_name(path.name + LOCK_SUFFIX)
+    try:
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        raise JournalError(f"cannot open the journal's lock file {lock_path}: {error.strerror}") from error
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(lock_fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(lock_fd)
+        who = f"pid {holder}" if holder.isdigit() else "another process (its pid is not in the file)"
+        raise JournalError(
+            f"journal {path} is in use: {lock_path} is locked by {who}; "
+            "one manager writes a journal: stop that one first, or use another --journal"
+        ) from None
+    except OSError as error:
+        os.close(lock_fd)
+        raise JournalError(f"cannot lock the journal's lock file {lock_path}: {error.strerror}") from error
+    try:
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as error:  # the lock holds all the same; a refused manager cannot name this one's pid
+        log.warning("journal %s: cannot write this process's pid to %s (%s)", path, lock_path, error.strerror)
+    return lock_fd
 
 
 def _frame(record: pb.JournalRecord) -> bytes:
@@ -267,6 +331,13 @@ def _read(data: bytes, path: Path) -> tuple[list[pb.JournalRecord], list[int], i
         records.append(record)
         ends.append(end)
         offset = end
+    if records and records[0].header.snapshot_follows:
+        if len(records) < 2 or records[1].WhichOneof("entry") != "snapshot":
+            raise JournalError(
+                f"journal {path}: the header says a snapshot follows, but the record at byte {ends[0]} "
+                f"{'is missing (the file ends there)' if len(records) < 2 else 'is not one'} "
+                f"(the file is damaged): {_WHAT_TO_DO}"
+            )
     return records, ends, offset
 
 
