@@ -63,6 +63,11 @@ def make_parser() -> argparse.ArgumentParser:
         "most 100000 events; a reader that falls further behind resyncs (default %(default)s)",
     )  # fmt: skip
     serve.add_argument(
+        "--no-memory-check", action="store_true",
+        help="start even when the manager's estimated memory (every block of both tiers cached, a compaction's "
+        "snapshot, the logs and the key memory full) exceeds what the machine or the cgroup has available",
+    )  # fmt: skip
+    serve.add_argument(
         "--check-invariants", action="store_true",
         help="debugging and testing aid: check the whole pool's invariants after every mutating call (slow: "
         "O(pool) per call); a broken one is logged as a bug and the call answered INTERNAL",
@@ -191,6 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
         journal_path=args.journal,
         journal_fsync=args.journal_fsync,
         journal_compact_bytes=args.journal_compact_bytes,
+        memory_check=not args.no_memory_check,
         check_invariants=args.check_invariants,
         **security_options(args),
     )

@@ -37,6 +37,13 @@ from kv_manager_service.shared.ports import PortUnavailableError, check_port_fre
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.shared.security import BearerAuthInterceptor, ServerTLS, TokenTable
 from kv_manager_service.shared.termination import TerminationSignals
+from kv_manager_service.server.memory_budget import (
+    MemoryEstimate,
+    available_memory,
+    check_fits,
+    describe,
+    estimate_memory,
+)
 from kv_manager_service.server.replica import Replica
 from kv_manager_service.server.retention import ServiceLimits
 from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
@@ -93,6 +100,7 @@ class ServerOptions:
     metrics_host: str | None = None  # None: host
     metrics_tokens: TokenTable | None = None  # scrape tokens: read /metrics but the per-tenant series
     check_invariants: bool = False  # debugging/testing: check the core after every mutating call
+    memory_check: bool = True  # refuse a pool whose estimated memory exceeds what is available (memory_budget.py)
     tls: ServerTLS | None = None  # None: plaintext gRPC
     tokens: TokenTable | None = None  # None: no bearer tokens, every caller may call everything
     multi_tenant: bool = False  # see tenancy.py
@@ -204,6 +212,12 @@ class RunningServer:
             self.replica.journal.close()
 
 
+def memory_estimate(config: KVCacheConfig, options: ServerOptions) -> MemoryEstimate:
+    limits = options.limits
+    retention = limits.step_retention_bytes + limits.event_retention_bytes + limits.idempotency_retention_bytes
+    return estimate_memory(config.num_blocks, config.num_host_blocks, retention)
+
+
 def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
     """The replica a server with `options` runs: a fresh core, its tenancy, and its journal replayed."""
     if options.multi_tenant and config.hash_algorithm is not HashAlgorithm.SHA256_CBOR:
@@ -211,6 +225,8 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
             f"--multi-tenant refuses --hash-algorithm {config.hash_algorithm.value}: it is not collision-resistant, "
             "so one tenant could craft blocks whose hashes equal another's; use sha256_cbor"
         )
+    if options.memory_check:  # before the pool or the journal takes any of it
+        check_fits(memory_estimate(config, options), available_memory())
     config = dataclasses.replace(config, enable_events=True)
     tenancy = (
         Tenancy(options.tenant_secret, options.tokens, options.tenant_quota_blocks) if options.multi_tenant else None
@@ -449,13 +465,18 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
     gc.set_threshold(50_000, 20, 100)
     signals = TerminationSignals()
     print(f"{MANAGER_READY_PREFIX}{running.address}", flush=True)
+    memory = memory_estimate(config, options)
     log.info(
-        "serving replica_id=%s incarnation=%d num_blocks=%d groups=%d",
+        "serving replica_id=%s incarnation=%d num_blocks=%d num_host_blocks=%d groups=%d; memory up to %.2f GiB (%s)",
         options.replica_id,
         running.replica.incarnation,
         config.num_blocks,
+        config.num_host_blocks,
         len(config.groups),
+        memory.total / 2**30,
+        describe(memory),
         extra={
+            "memory_estimate_bytes": memory.total,
             "replica_id": options.replica_id,
             "incarnation": running.replica.incarnation,
             "address": running.address,

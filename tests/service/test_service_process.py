@@ -11,7 +11,7 @@ import pytest
 from kvcache.v1 import kv_manager_pb2 as pb
 
 from processes import check_clean_exit
-from svc_support import OK, ROOT, alloc, connect, follow_steps, pool_config, stats, watch_events, write_config
+from svc_support import OK, ROOT, alloc, connect, follow_steps, pool_config, stats, wait_for, watch_events, write_config
 
 
 def get_config(address: str) -> pb.GetConfigResponse:
@@ -60,12 +60,22 @@ def test_pool_flags(server_factory):
     [
         (("--hash-algorithm", "xxh3_128"), "hash_seed"),
         (("--num-blocks", "1"), "num_blocks"),
+        # 10^9 host blocks cannot fit: refused with the estimate, before any of it is allocated.
+        (("--num-host-blocks", "1000000000"), "the manager would need up to 559.18 GiB"),
     ],
 )
 def test_bad_pool_flags_exit_2_with_a_message(args, message):
     done = serve_and_fail(*args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "KV manager listening" not in done.stdout
+
+
+def test_the_start_line_says_the_memory_estimate_and_the_check_can_be_skipped(server_factory):
+    server = server_factory.start("--num-blocks", "1000", "--num-host-blocks", "1000")
+    wait_for(lambda: "memory up to 0." in server.log_path.read_text(), "the start line")
+    assert "MiB of blocks" in server.log_path.read_text()
+    done = serve_and_fail("--num-host-blocks", "1000000000", "--no-memory-check", "--port", "99999")
+    assert done.returncode == 2 and "would need" not in done.stderr and "port" in done.stderr, done.stderr
 
 
 def test_block_size_with_groups_in_the_file_is_an_error(tmp_path):
