@@ -45,6 +45,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-message-bytes", type=positive_int, default=64 << 20, help="largest gRPC message (default %(default)s)"
     )
     serve.add_argument(
+        "--max-connections", type=positive_int, default=None, metavar="N",
+        help="connections served at once; more are closed at accept (default: the open-file limit, ulimit -n, "
+        "less 128 kept for the journal, Redis and the rest)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--handshake-timeout-s", type=float, default=10.0, metavar="S",
+        help="close a connection that has not finished its HTTP/2 (and TLS) handshake within S seconds, so idle "
+        "sockets cannot hold the connection slots (default %(default)s)",
+    )  # fmt: skip
+    serve.add_argument(
         "--idempotency-retention", type=positive_int, default=100_000,
         help="keyed Steps remembered for retries (idempotency_key); older keys are forgotten (default %(default)s)",
     )  # fmt: skip
@@ -173,6 +183,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         grace_s=args.shutdown_grace_s,
         max_message_bytes=args.max_message_bytes,
+        max_connections=args.max_connections,
+        handshake_timeout_s=args.handshake_timeout_s,
         limits=ServiceLimits(
             max_tokens_per_call=args.max_tokens_per_call,
             max_ops_per_step=args.max_ops_per_step,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -82,6 +83,8 @@ class ServerOptions:
     replica_id: str = field(default_factory=socket.gethostname)
     max_workers: int = 32  # threads for unary calls; streams and cheap reads run on the event loop
     max_message_bytes: int = 64 << 20
+    max_connections: int | None = None  # None: the open-file limit less FDS_KEPT_FREE (see `connection_limit`)
+    handshake_timeout_s: float = 10.0  # a connection that has not completed its HTTP/2 (and TLS) handshake is closed
     grace_s: float = 5.0  # on SIGTERM, in-flight calls get this long
     limits: ServiceLimits = ServiceLimits()
     redis_url: str | None = None  # None: no mirror, the index stays in-process
@@ -124,6 +127,10 @@ class ServerOptions:
             self.metrics_access()  # refuses an endpoint open to readers who may not call the RPCs
         if not self.replica_id:
             raise ValueError("replica_id must not be empty")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if not 0 < self.handshake_timeout_s <= 600:
+            raise ValueError(f"--handshake-timeout-s must be in (0, 600], got {self.handshake_timeout_s}")
         if self.max_workers < 2:
             raise ValueError(f"max_workers must be >= 2, got {self.max_workers}")
         if not 0 <= self.grace_s <= 600:
@@ -216,6 +223,13 @@ def memory_estimate(config: KVCacheConfig, options: ServerOptions) -> MemoryEsti
     limits = options.limits
     retention = limits.step_retention_bytes + limits.event_retention_bytes + limits.idempotency_retention_bytes
     return estimate_memory(config.num_blocks, config.num_host_blocks, retention)
+
+
+FDS_KEPT_FREE = 128  # open files the connections may not take (see `connection_limit`)
+IDLE_CONNECTION_S = 300  # a connection without a call this long is closed (the client reconnects on its next call)
+KEEPALIVE_S = 60  # the server pings a quiet peer this often ...
+KEEPALIVE_TIMEOUT_S = 20  # ... and drops it when no answer comes within this
+MIN_CLIENT_PING_S = 10  # a client's pings without calls, at most this often
 
 
 def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
@@ -311,7 +325,7 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     interceptors.append(ParseErrorInterceptor())  # last, so the metrics count what it refuses
     loop = EventLoopThread("kv-rpc-loop")
     pool = futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc")
-    server = loop.run(_new_server(pool, interceptors, options.max_message_bytes))
+    server = loop.run(_new_server(pool, interceptors, options))
     try:
         return _start(server, loop, pool, replica, registry, config, options)
     except BaseException:
@@ -322,20 +336,51 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
 
 
 async def _new_server(
-    pool: futures.ThreadPoolExecutor, interceptors: list[grpc.ServerInterceptor], max_message_bytes: int
+    pool: futures.ThreadPoolExecutor, interceptors: list[grpc.ServerInterceptor], options: ServerOptions
 ) -> grpc.aio.Server:
-    """The gRPC server (not started); made on its event loop."""
+    """The gRPC server (not started); made on its event loop.
+
+    Connections are bounded so idle sockets cannot starve real clients: at most `connection_limit`
+    at once (more are closed at accept, before any file of the process runs out); one that has not
+    finished its handshake in `handshake_timeout_s` is closed, as is one without a call for
+    IDLE_CONNECTION_S; the server pings a quiet peer every KEEPALIVE_S and drops it when no answer
+    comes within KEEPALIVE_TIMEOUT_S, and refuses a client that pings more often than every
+    MIN_CLIENT_PING_S without calls (gRPC's strikes, then GOAWAY).
+    """
     return grpc.aio.server(
         migration_thread_pool=pool,
         interceptors=[AioInterceptor(interceptor) for interceptor in interceptors],
         options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", options.max_message_bytes),
             # Responses are not limited: a step that was applied must be answered (a refused
             # send would tell the caller "refused"), and a worker must get every delta.
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
+            ("grpc.max_allowed_incoming_connections", connection_limit(options.max_connections)),
+            ("grpc.server_handshake_timeout_ms", int(options.handshake_timeout_s * 1000)),
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_S * 1000),
+            ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_S * 1000),
         ],
     )
+
+
+def connection_limit(max_connections: int | None) -> int:
+    """The connections the server accepts at once: `max_connections`, or by default the process's
+    open-file limit less FDS_KEPT_FREE (the journal, Redis, the metrics endpoint, the writer process).
+    ValueError when `max_connections` would leave fewer than FDS_KEPT_FREE files free."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = soft - FDS_KEPT_FREE if soft != resource.RLIM_INFINITY else 1 << 20
+    if max_connections is None:
+        return max(16, room)
+    if max_connections > room:
+        raise ValueError(
+            f"--max-connections {max_connections} would leave fewer than {FDS_KEPT_FREE} of the {soft} files the "
+            f"process may open (ulimit -n) for the journal, Redis and the rest: raise ulimit -n, or lower "
+            f"--max-connections to {max(room, 1)} or less"
+        )
+    return max_connections
 
 
 def _start(
