@@ -26,6 +26,19 @@ after `interval_s`. A collection
    paced to at most `max_keys_per_s`, so a collection is a trickle of load;
 3. drops the gone replica ids that were collected from the replica set (a
    replica that comes back adds itself again at its next heartbeat).
+
+Malformed data never stops a collection: it is counted (schema.MALFORMED_KINDS)
+and, where it can only be junk, removed. A malformed lease counts as no lease;
+a replica-set member that is not UTF-8 is removed from the set; a block key
+of another type than a hash is deleted (it holds nobody's fields, and fails
+the writers' HSETs to it); a block field that is not UTF-8 is deleted (no
+replica id is), and so is a value that names no incarnation, as stale, where
+its replica has a bound. A lock key that is not a lock (another type, or no
+expiry) is replaced.
+
+The collector's loop (`run`, the writer's "mirror-collector" thread) survives
+any exception from a collection: it logs it, counts it, and tries again at
+the next interval.
 """
 
 from __future__ import annotations
@@ -39,7 +52,16 @@ from typing import Callable, Iterable, Iterator
 
 import redis
 
-from kv_manager_service.mirror.schema import DELETE_FIELD_IF, KeySchema, Lease
+from kv_manager_service.mirror.schema import (
+    DELETE_FIELD_IF,
+    DELETE_UNLESS_HASH,
+    HOST_ONLY_SUFFIX,
+    TAKE_COLLECTOR_LOCK,
+    KeySchema,
+    Lease,
+    MalformedEntries,
+    is_wrong_type,
+)
 
 log = logging.getLogger("kv_manager_service.mirror.collector")
 
@@ -67,6 +89,7 @@ class CollectorMetrics:
     num_collections: int = 0  # collections this process ran (it held the lock)
     num_collected_fields: int = 0  # stale block fields it deleted
     num_collected_replicas: int = 0  # gone replica ids it dropped from the replica set
+    num_errors: int = 0  # collections that ended with an exception other than a Redis failure (logged)
 
 
 @dataclass(frozen=True)
@@ -76,10 +99,11 @@ class _Absence:
 
 
 class StaleFieldCollector:
-    """Runs a collection every `options.interval_s` (with jitter) while `may_collect()`, in its own thread.
+    """Runs a collection every `options.interval_s` (with jitter) while `may_collect()`, in `run`.
 
-    `owner` names this process in the lock (replica id and incarnation).
-    Failures are logged and retried at the next interval.
+    `owner` names this process in the lock (replica id and incarnation);
+    `malformed` counts the malformed data it meets. Failures are logged and
+    retried at the next interval.
     """
 
     def __init__(
@@ -89,6 +113,7 @@ class StaleFieldCollector:
         owner: str,
         may_collect: Callable[[], bool],
         options: CollectorOptions = CollectorOptions(),
+        malformed: MalformedEntries | None = None,
     ) -> None:
         self.client = client
         self.schema = schema
@@ -96,20 +121,18 @@ class StaleFieldCollector:
         self.may_collect = may_collect
         self.options = options
         self.metrics = CollectorMetrics()
+        self.malformed = malformed or MalformedEntries()
         # replica id -> when it was first seen without a lease (cleared when it has one again)
         self._absent: dict[str, _Absence] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="mirror-collector", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
+        self._take_lock = client.register_script(TAKE_COLLECTOR_LOCK)
 
     def stop(self) -> None:
+        """Make `run` return (at once, or after the page it is collecting)."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Collect every interval until `stop`; nothing a collection raises (an Exception) ends it."""
         while not self._stop.wait(self.options.interval_s * random.uniform(0.5, 1.0)):
             if not self.may_collect():
                 continue
@@ -119,6 +142,7 @@ class StaleFieldCollector:
                 log.warning("collecting stale mirror fields failed (%s); retrying in about %.0fs",
                             error, self.options.interval_s)  # fmt: skip
             except Exception:
+                self.metrics.num_errors += 1
                 log.exception("bug in the mirror collector; retrying in about %.0fs", self.options.interval_s)
 
     def collect_if_due(self) -> bool:
@@ -128,8 +152,11 @@ class StaleFieldCollector:
         """
         bounds = self._bounds(self._leases())
         lock_ms = int(self.options.interval_s * 1000)
-        if not self.client.set(self.schema.collector_lock, self.owner, nx=True, px=lock_ms):
+        taken = self._take_lock(keys=[self.schema.collector_lock], args=[self.owner, lock_ms])
+        if taken == 0:
             return False
+        if taken == 2:
+            self.malformed.add("key_type", f"{self.schema.collector_lock} was no lock (another type, or no expiry)")
         self.collect(bounds)
         return True
 
@@ -156,15 +183,44 @@ class StaleFieldCollector:
                  num_fields, num_keys, len(gone), time.monotonic() - started)  # fmt: skip
 
     def _leases(self) -> dict[str, Lease | None]:
-        """Every replica id in the replica set, with its lease (None: none)."""
-        members = sorted(m.decode() for m in self.client.smembers(self.schema.replicas))
+        """Every replica id in the replica set, with its lease (None: none, or a malformed one).
+
+        Members that are not UTF-8 are removed from the set; a replica set of
+        another type reads as empty (the writers replace it at their next heartbeat).
+        """
+        try:
+            raw_members = self.client.smembers(self.schema.replicas)
+        except redis.ResponseError as error:
+            if not is_wrong_type(error):
+                raise
+            self.malformed.add("key_type", f"{self.schema.replicas} is no set")
+            return {}
+        members, junk = [], []
+        for member in raw_members:
+            try:
+                members.append(member.decode())
+            except UnicodeDecodeError:
+                self.malformed.add("replica_member", f"{self.schema.replicas} holds {member!r}")
+                junk.append(member)
+        if junk:
+            self.client.srem(self.schema.replicas, *junk)
+        members.sort()
         pipe = self.client.pipeline(transaction=False)
         for replica_id in members:
             pipe.get(self.schema.lease(replica_id))
-        return {
-            replica_id: None if text is None else Lease.from_json(replica_id, text)
-            for replica_id, text in zip(members, pipe.execute())
-        }
+        leases: dict[str, Lease | None] = {}
+        for replica_id, text in zip(members, pipe.execute(raise_on_error=False)):
+            key = self.schema.lease(replica_id)
+            leases[replica_id] = None
+            if isinstance(text, Exception):
+                if not is_wrong_type(text):
+                    raise text
+                self.malformed.add("key_type", f"{key} is no string")
+            elif text is not None:
+                leases[replica_id] = Lease.parse(replica_id, text)
+                if leases[replica_id] is None:
+                    self.malformed.add("lease", f"{key} holds {text!r}")
+        return leases
 
     def _bounds(self, leases: dict[str, Lease | None]) -> dict[str, int]:
         """Replica id -> the incarnation below which its fields are stale; notes which ids lack a lease."""
@@ -182,25 +238,45 @@ class StaleFieldCollector:
         return bounds
 
     def _collect_page(self, keys: list[bytes], bounds: dict[str, int], unknown: set[str]) -> int:
-        """Delete the stale fields of `keys`; add the replica ids met there without a bound to `unknown`."""
+        """Delete the stale fields of `keys`; add the replica ids met there without a bound to `unknown`.
+
+        Deletes junk too: keys of another type than a hash, fields that are not
+        UTF-8. Returns how many fields it deleted.
+        """
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
-        stale = []
-        for key, fields in zip(keys, pipe.execute()):
+        stale, not_hashes = [], []
+        for key, fields in zip(keys, pipe.execute(raise_on_error=False)):
+            if isinstance(fields, Exception):
+                if not is_wrong_type(fields):
+                    raise fields
+                self.malformed.add("key_type", f"{key!r} is no hash")
+                not_hashes.append(key)
+                continue
             for field, value in fields.items():
-                replica_id = field.decode()
+                try:
+                    replica_id = field.decode()
+                except UnicodeDecodeError:
+                    self.malformed.add("block_field", f"{key!r} holds the field {field!r}")
+                    stale.append((key, field, value))
+                    continue
+                incarnation = _incarnation(value)
+                if incarnation < 0:
+                    self.malformed.add("block_field", f"{key!r} holds {value!r} for {replica_id!r}")
                 bound = bounds.get(replica_id)
                 if bound is None:
                     unknown.add(replica_id)
-                elif _incarnation(value) < bound:
+                elif incarnation < bound:
                     stale.append((key, field, value))
-        if not stale:
+        if not stale and not not_hashes:
             return 0
         pipe = self.client.pipeline(transaction=False)
+        for key in not_hashes:
+            pipe.execute_command("EVAL", DELETE_UNLESS_HASH, 1, key)
         for key, field, value in stale:
             pipe.execute_command("EVAL", DELETE_FIELD_IF, 1, key, field, value)  # a cluster pipeline has no eval()
-        return sum(pipe.execute())
+        return sum(pipe.execute()[len(not_hashes) :])
 
     def _drop_gone(self, bounds: dict[str, int]) -> list[str]:
         """Remove the collected gone replica ids from the replica set, unless one has a lease again."""
@@ -212,7 +288,12 @@ class StaleFieldCollector:
             pipe.exists(self.schema.lease(replica_id))
         still_gone = [replica_id for replica_id, alive in zip(gone, pipe.execute()) if not alive]
         if still_gone:
-            self.client.srem(self.schema.replicas, *still_gone)
+            try:
+                self.client.srem(self.schema.replicas, *still_gone)
+            except redis.ResponseError as error:
+                if not is_wrong_type(error):
+                    raise
+                self.malformed.add("key_type", f"{self.schema.replicas} is no set")
         for replica_id in still_gone:
             del self._absent[replica_id]
         self.metrics.num_collected_replicas += len(still_gone)
@@ -220,9 +301,13 @@ class StaleFieldCollector:
 
 
 def _incarnation(value: bytes) -> int:
-    """The incarnation of a block field's value (`schema.block_entry_value`); -1 when unreadable (stale)."""
-    head = value.split(b":", 1)[0]
-    return int(head) if head.isdigit() else -1
+    """The incarnation of a block field's value (`schema.block_entry_value`); -1 when malformed (stale)."""
+    digits = value.removesuffix(HOST_ONLY_SUFFIX.encode())
+    return int(digits) if digits.isdigit() and len(digits) <= MAX_INCARNATION_DIGITS else -1
+
+
+MAX_INCARNATION_DIGITS = 20
+"""An incarnation is a start time in ns (19 digits): a value with more digits names none."""
 
 
 def pages(keys: Iterable[bytes], page_size: int) -> Iterator[list[bytes]]:

@@ -23,6 +23,12 @@ host tier (schema.block_entry_value says which), in any order, as a local
 hit may continue from the device into the host tier. An entry counts only
 when its value names the incarnation of the replica's live lease.
 
+Malformed data is skipped and counted (schema.MALFORMED_KINDS): a replica
+whose lease is malformed is left out of the answer (its own writer replaces
+the value at its next heartbeat), a replica-set member that is not UTF-8 is
+ignored, and a key of another type reads as absent (a read that meets one
+costs two more round trips: one to find which keys, one to read the rest).
+
 A lookup is on the RPC path, so it has a budget: its Redis client is its
 own (no lookup waits behind the writer's calls) and its socket timeout is
 the budget. After a failure the lookups skip Redis for `skip_after_failure_s`,
@@ -49,8 +55,10 @@ from kv_manager_service.mirror.schema import (
     ClusterUnavailableError,
     KeySchema,
     Lease,
+    MalformedEntries,
     ReplicaTokens,
     block_entry_value,
+    is_wrong_type,
 )
 
 log = logging.getLogger("kv_manager_service.mirror.lookup")
@@ -100,6 +108,7 @@ class ClusterIndex:
         self._failing = False  # the last lookup that called Redis failed
         self.num_failures = 0  # lookups that could not read Redis
         self.num_skipped = 0  # lookups that did not call Redis after a recent failure
+        self.malformed = MalformedEntries()  # malformed data the lookups skipped
 
     def lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[ReplicaPrefix]:
         """Per live replica, how many leading `block_hashes` of `group_id` it holds cached, in either tier.
@@ -157,7 +166,6 @@ class ClusterIndex:
     def _lookup(self, group_id: int, block_hashes: Sequence[bytes]) -> list[tuple[Lease, list[bool]]]:
         """Per live replica, its lease and, per block of its cached prefix, whether only its host holds it."""
         schema = self.schema
-        client = self.client
         known, live_before = self._known_replicas, self._live_replicas
         key_prefix = schema.block_prefix(group_id)
         first_end = min(len(block_hashes), FIRST_CHUNK_BLOCKS)
@@ -168,10 +176,10 @@ class ClusterIndex:
             read_fields = _entry_read(live_before)
             keys += first_keys
             commands += read_fields.pack_each(first_keys)
-        replies = bulk.execute(client, keys, commands)
-        members = sorted(_text(m) for m in replies[0])
+        replies = self._read(keys, commands)
+        members = sorted(self._replica_ids(replies[0]))
         prefixes: dict[str, _Prefix] = {}
-        _add_leases(prefixes, known, replies[1 : 1 + len(known)])
+        self._add_leases(prefixes, known, replies[1 : 1 + len(known)])
         _extend(prefixes, live_before, replies[1 + len(known) :])
         # Replicas whose first chunk is unread: new in the set (their leases unread too), or alive again.
         new = [r for r in members if r not in known]
@@ -180,8 +188,8 @@ class ClusterIndex:
             read_fields = _entry_read(late + new)
             lease_keys = [schema.lease(r) for r in new]
             commands = [GET.pack(k) for k in lease_keys] + read_fields.pack_each(first_keys)
-            replies = bulk.execute(client, lease_keys + first_keys, commands)
-            _add_leases(prefixes, new, replies[: len(new)])
+            replies = self._read(lease_keys + first_keys, commands)
+            self._add_leases(prefixes, new, replies[: len(new)])
             _extend(prefixes, late + new, replies[len(new) :])
         self._known_replicas = tuple(members)
         self._live_replicas = tuple(prefixes)
@@ -195,9 +203,54 @@ class ClusterIndex:
             end = min(len(block_hashes), start * CHUNK_GROWTH)
             block_keys = [key_prefix + hexlify(h) for h in block_hashes[start:end]]
             commands = _entry_read(matching).pack_each(block_keys)
-            _extend(prefixes, matching, bulk.execute(client, block_keys, commands))
+            _extend(prefixes, matching, self._read(block_keys, commands))
             start = end
         return [(p.lease, p.is_host) for p in prefixes.values()]
+
+    def _read(self, keys: Sequence[str | bytes], commands: Sequence[bytes]) -> list:
+        """`bulk.execute`, where a key of another type than its command reads replies None (absent), counted.
+
+        Raises redis.RedisError for any other error, or when the keys' types keep changing.
+        """
+        try:
+            return bulk.execute(self.client, keys, commands)
+        except redis.ResponseError as error:
+            if not is_wrong_type(error):
+                raise
+        # Rare: find the keys of the wrong type (TYPE never fails), then read the others.
+        expected = [_READ_TYPES[command.split(b"\r\n", 3)[2]] for command in commands]
+        types = bulk.execute(self.client, keys, [TYPE.pack(key) for key in keys])
+        readable = [i for i, (kind, wanted) in enumerate(zip(types, expected)) if kind in (wanted, b"none")]
+        for i in sorted(set(range(len(keys))) - set(readable)):
+            self.malformed.add("key_type", f"{keys[i]!r} holds a {types[i]!r}")
+        replies: list = [None] * len(keys)
+        for i, reply in zip(readable, bulk.execute(self.client, [keys[i] for i in readable],
+                                                   [commands[i] for i in readable])):  # fmt: skip
+            replies[i] = reply
+        return replies
+
+    def _replica_ids(self, members: list[bytes] | None) -> list[str]:
+        """The replica set's members that are replica ids (UTF-8); None: the set was of another type."""
+        replica_ids = []
+        for member in members or ():
+            try:
+                replica_ids.append(_text(member))
+            except UnicodeDecodeError:
+                self.malformed.add("replica_member", f"{self.schema.replicas} holds {member!r}")
+        return replica_ids
+
+    def _add_leases(
+        self, prefixes: dict[str, _Prefix], replica_ids: Sequence[str], texts: Sequence[bytes | None]
+    ) -> None:
+        """A prefix for every replica whose lease is alive (the GET found it) and well-formed."""
+        for replica_id, text in zip(replica_ids, texts):
+            if text is None:
+                continue
+            lease = Lease.parse(replica_id, text)
+            if lease is None:
+                self.malformed.add("lease", f"{self.schema.lease(replica_id)} holds {text!r}")
+            else:
+                prefixes[replica_id] = _Prefix(lease)
 
 
 FIRST_CHUNK_BLOCKS = 64
@@ -215,6 +268,9 @@ HMGET_MAX_FIELDS = 8
 """Up to this many replicas a chunk reads their fields (HMGET); past it, whole entries (HGETALL): `_entry_read`."""
 GET = bulk.CommandTemplate(b"GET")
 HGETALL = bulk.CommandTemplate(b"HGETALL")
+TYPE = bulk.CommandTemplate(b"TYPE")
+_READ_TYPES = {b"SMEMBERS": b"set", b"GET": b"string", b"HMGET": b"hash", b"HGETALL": b"hash"}
+"""The Redis type each read of a lookup reads: a key of another type reads as absent (`ClusterIndex._read`)."""
 
 
 class _Prefix:
@@ -243,17 +299,14 @@ def _entry_read(replica_ids: Sequence[str]) -> bulk.CommandTemplate:
     return bulk.CommandTemplate(b"HMGET", tuple(r.encode() for r in replica_ids))
 
 
-def _add_leases(prefixes: dict[str, _Prefix], replica_ids: Sequence[str], texts: Sequence[bytes | None]) -> None:
-    """A prefix for every replica whose lease is alive (the GET found it)."""
-    for replica_id, text in zip(replica_ids, texts):
-        if text:
-            prefixes[replica_id] = _Prefix(Lease.from_json(replica_id, text))
-
-
 def _extend(prefixes: dict[str, _Prefix], fields: Sequence[str], entries: Sequence) -> None:
     """Extend the matching prefixes of `fields` by the next `entries`, consecutive blocks read by `_entry_read(fields)`:
-    HMGET replies (one value per field) or HGETALL ones (a map; a flat list of fields and values in RESP2)."""
+    HMGET replies (one value per field) or HGETALL ones (a map; a flat list of fields and values in RESP2);
+    None for an entry that was of another type (read as absent)."""
     whole = len(fields) > HMGET_MAX_FIELDS
+    if None in entries:
+        absent = {} if whole else [None] * len(fields)
+        entries = [absent if e is None else e for e in entries]
     if whole:
         entries = [e if isinstance(e, dict) else dict(zip(e[::2], e[1::2])) for e in entries]
     for position, replica_id in enumerate(fields):

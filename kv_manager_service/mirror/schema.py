@@ -32,6 +32,16 @@ One replica id has one holder. A writer claims, renews and drops its lease
 with compare-and-set scripts (`CLAIM_LEASE`, `DROP_LEASE`) that act only
 when the key is absent or names the writer's own incarnation, so two
 managers started with one id never overwrite each other's lease.
+
+Everything read from Redis is untrusted. A lease, a replica-set member, a
+block field or value, or a key of the wrong Redis type is skipped where it is
+met, counted by kind (`MALFORMED_KINDS`, `MalformedEntries`), and never
+raised: one bad entry never stops a lookup, a heartbeat or a collection.
+What a malformed entry blocks is replaced by the one who may: a writer
+replaces a malformed lease at its own id (`CLAIM_LEASE`) and a replica set
+of another type (`ADD_REPLICA`); the collector deletes block keys of
+another type and fields that name no replica, and replaces a lock that is
+not one (`TAKE_COLLECTOR_LOCK`).
 """
 
 from __future__ import annotations
@@ -39,10 +49,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+import math
+import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 
 from kv_manager_service.shared.events import Tier
+
+log = logging.getLogger("kv_manager_service.mirror.schema")
 
 BlockKey = tuple[int, bytes]  # (group id, block hash)
 # A replica's cached set as the mirror reads it, consistent with itself: its device tier's (group, hash)
@@ -58,24 +74,35 @@ class ReplicaIdInUseError(ValueError):
     """Another live manager holds this replica id's lease: this one must not serve under it."""
 
 
-# KEYS[1]: the lease; ARGV: our incarnation, the new lease JSON, its TTL in ms.
-# Sets the lease if it is absent (returns 0) or ours (returns 1); otherwise
-# leaves it and returns it. The incarnation is compared as a string: it
-# exceeds the 2**53 that Lua's numbers hold exactly.
+# KEYS[1]: the lease; ARGV: our incarnation, the new lease JSON, its TTL in ms,
+# and '=' followed by a malformed value read at the key before, which is
+# nobody's lease ('' for none).
+# Sets the lease if the key is absent (returns 0), ours (returns 1), or not a
+# lease (returns 2: a key of another type, or that malformed value, still
+# there); otherwise leaves it and returns it. The incarnation is compared as a
+# string: it exceeds the 2**53 that Lua's numbers hold exactly.
 CLAIM_LEASE = """
-local current = redis.call('GET', KEYS[1])
-if current and string.match(current, '"incarnation": *(%d+)') ~= ARGV[1] then
-  return current
+local kind = redis.call('TYPE', KEYS[1])['ok']
+local outcome = 2
+if kind == 'none' then
+  outcome = 0
+elseif kind == 'string' then
+  local current = redis.call('GET', KEYS[1])
+  if string.match(current, '"incarnation": *(%d+)') == ARGV[1] then
+    outcome = 1
+  elseif '=' .. current ~= ARGV[4] then
+    return current
+  end
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-if current then return 1 end
-return 0
+return outcome
 """
 
 # KEYS[1]: the lease; ARGV[1]: our incarnation. Deletes the lease only if it is ours.
 DROP_LEASE = """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then return 0 end
 local current = redis.call('GET', KEYS[1])
-if current and string.match(current, '"incarnation": *(%d+)') == ARGV[1] then
+if string.match(current, '"incarnation": *(%d+)') == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -83,13 +110,105 @@ return 0
 
 # KEYS[1]: a block entry; ARGV: a replica id, the value it was read with.
 # Deletes the field only if it still holds that value: one rewritten since
-# (by a newer incarnation) stays.
+# (by a newer incarnation) stays, and so does a key that is no hash now.
 DELETE_FIELD_IF = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+if redis.call('TYPE', KEYS[1])['ok'] == 'hash' and redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
   return redis.call('HDEL', KEYS[1], ARGV[1])
 end
 return 0
 """
+
+# KEYS[1]: a block key that did not read as a hash. Deletes it unless it is a
+# hash (or absent) now: a key of another type holds no replica's fields, and
+# fails every writer's HSET to it. Returns 1 when it deleted the key.
+DELETE_UNLESS_HASH = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'hash' and kind ~= 'none' then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1]: the replica set; ARGV[1]: a replica id. Adds the id; a key of
+# another type is no replica set and is replaced first (every live replica
+# adds itself again at its next heartbeat). Returns 1 when it replaced one.
+ADD_REPLICA = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+local replaced = 0
+if kind ~= 'set' and kind ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  replaced = 1
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+return replaced
+"""
+
+# KEYS[1]: the collector's lock; ARGV: the owner, the lock's TTL in ms. Takes
+# the lock if it is free (returns 1) or not a lock (returns 2: a key of another
+# type, or one without expiry, which would stop every collection for good);
+# otherwise returns 0.
+TAKE_COLLECTOR_LOCK = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'string' and redis.call('PTTL', KEYS[1]) >= 0 then
+  return 0
+end
+local outcome = 1
+if kind ~= 'none' then
+  outcome = 2
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return outcome
+"""
+
+
+def is_wrong_type(error: Exception) -> bool:
+    """Whether a Redis error reply (redis.ResponseError) says the key holds another type than the command reads."""
+    return str(error).startswith("WRONGTYPE")
+
+
+MALFORMED_KINDS = ("lease", "replica_member", "block_field", "key_type")
+"""The kinds of malformed data the mirror skips and counts (`MalformedEntries`):
+
+- `lease`: a lease value that is not a lease (not JSON, a field missing or of
+  the wrong type, longer than MAX_LEASE_BYTES);
+- `replica_member`: a member of the replica set that is not UTF-8 (no replica id is);
+- `block_field`: a block entry's field that is not UTF-8, or a value that names no incarnation;
+- `key_type`: a mirror key that holds another Redis type than its pattern's
+  (a string at a block key, a hash at a lease...).
+"""
+
+MALFORMED_WARNING_INTERVAL_S = 60.0
+"""A kind of malformed data is logged (WARNING) at most once per this long; every one is counted."""
+
+
+class MalformedEntries:
+    """How much malformed data from Redis was skipped, by kind (MALFORMED_KINDS). Thread safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(MALFORMED_KINDS, 0)
+        self._warned_at: dict[str, float] = {}  # kind -> monotonic time of its last warning
+
+    def add(self, kind: str, what: str) -> None:
+        """Count one malformed entry of `kind`; `what` says where (logged, shortened)."""
+        now = time.monotonic()
+        with self._lock:
+            self._counts[kind] += 1
+            count = self._counts[kind]
+            last = self._warned_at.get(kind)
+            if last is not None and now - last < MALFORMED_WARNING_INTERVAL_S:
+                return
+            self._warned_at[kind] = now
+        log.warning("skipped malformed mirror data (%s): %.200s; %d of this kind so far", kind, what, count)
+
+    def by_kind(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
 
 
 HOST_ONLY_SUFFIX = ":host"
@@ -122,15 +241,45 @@ class Lease:
 
     @classmethod
     def from_json(cls, replica_id: str, text: str | bytes) -> "Lease":
-        data = json.loads(text)
-        return cls(
-            replica_id,
-            int(data["incarnation"]),
-            str(data.get("address", "")),
-            int(data.get("num_requests", 0)),
-            float(data.get("usage", 0.0)),
-            int(data.get("num_free_blocks", 0)),
-        )
+        """The lease `text` holds; ValueError when it is malformed (see `parse`)."""
+        lease = cls.parse(replica_id, text)
+        if lease is None:
+            raise ValueError(f"malformed lease of {replica_id!r}: {text[:100]!r}")
+        return lease
+
+    @classmethod
+    def parse(cls, replica_id: str, raw: object) -> "Lease | None":
+        """The lease `raw` (a value read at a lease key) holds, or None when it is malformed. Never raises.
+
+        A lease is a JSON object of at most MAX_LEASE_BYTES with an integer
+        incarnation >= 0 and, when present, a string address, integer
+        num_requests and num_free_blocks, and a finite number usage.
+        """
+        if not isinstance(raw, (bytes, str)) or len(raw) > MAX_LEASE_BYTES:
+            return None
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            return None
+        if not isinstance(data, dict):
+            return None
+        incarnation, address = data.get("incarnation"), data.get("address", "")
+        num_requests, num_free_blocks = data.get("num_requests", 0), data.get("num_free_blocks", 0)
+        usage = data.get("usage", 0.0)
+        if not (
+            _is_int(incarnation) and incarnation >= 0 and isinstance(address, str) and _is_int(num_requests)
+            and _is_int(num_free_blocks) and (_is_int(usage) or isinstance(usage, float)) and math.isfinite(usage)
+        ):  # fmt: skip
+            return None
+        return cls(replica_id, incarnation, address, num_requests, float(usage), num_free_blocks)
+
+
+MAX_LEASE_BYTES = 4096
+"""A longer lease value is malformed: a writer's is about 150 bytes."""
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # not bool
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,21 @@ grown configuration epoch seen by the heartbeat, for a writer that was idle
 during the failover. While it holds the lease, the writer's collector
 (collector.py) deletes stale fields of every replica id, its own earlier
 incarnations' included.
+
+Malformed data at the keys the heartbeat writes is replaced, counted in
+`metrics.malformed`: a lease value at this replica's id that is not a lease
+(schema.Lease.parse) is nobody's, so the renewal overwrites it, by
+compare-and-set on the value it read; a lease key or replica set of another
+Redis type is replaced too (schema.CLAIM_LEASE, schema.ADD_REPLICA).
+
+Threads. The writer's three threads ("mirror-writer", "mirror-heartbeat" and
+"mirror-collector") survive any Exception from their work: they log it,
+count it (`metrics.num_errors`) and retry, the writer after a backoff and a
+resync, the heartbeat at its next beat, the collector at its next interval.
+A thread that ends otherwise (a BaseException, or an error in the handling
+itself) is dead: `dead_thread` names it, a CRITICAL line says why, and
+`on_thread_death(thread_name, error)` is called, for the server to stop
+reporting itself healthy.
 """
 
 from __future__ import annotations
@@ -47,11 +62,13 @@ from kv_manager_service.shared.events import KVEvent
 from kv_manager_service.mirror.collector import CollectorMetrics, CollectorOptions, StaleFieldCollector
 from kv_manager_service.mirror.connect import cluster_epoch
 from kv_manager_service.mirror.schema import (
+    ADD_REPLICA,
     CLAIM_LEASE,
     DROP_LEASE,
     CachedSet,
     KeySchema,
     Lease,
+    MalformedEntries,
     ReplicaIdInUseError,
 )
 from kv_manager_service.mirror.publisher import EntryPublisher
@@ -60,6 +77,10 @@ from kv_manager_service.mirror.publisher_process import PublisherProcess
 log = logging.getLogger("kv_manager_service.mirror.writer")
 
 Publisher = EntryPublisher | PublisherProcess
+
+
+class MalformedLeaseError(Exception):
+    """Our lease key kept holding malformed values, each replaced by another before the renewal could replace it."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +106,8 @@ class MirrorMetrics:
     lag_ms: float = 0.0  # age of the newest event written, when written
     fenced: bool = False  # another manager holds this replica id's lease: nothing is written any more
     collector: CollectorMetrics = field(default_factory=CollectorMetrics)  # stale fields deleted (collector.py)
+    malformed: MalformedEntries = field(default_factory=MalformedEntries)  # malformed Redis data met (writer, collector)
+    num_errors: int = 0  # unexpected exceptions of the writer and heartbeat threads, logged and survived
 
 
 class MirrorWriter:
@@ -115,31 +138,36 @@ class MirrorWriter:
         self._resync = True
         self._claim_lease = client.register_script(CLAIM_LEASE)
         self._drop_lease = client.register_script(DROP_LEASE)
+        self._add_replica = client.register_script(ADD_REPLICA)
         self._held_until = 0.0  # monotonic; we may write before it
         self._ever_held = False
         self._refused_since: float | None = None  # monotonic; first refusal while we never held the lease
         self._cluster_epoch: int | None = None  # the highest configuration epoch of a Redis Cluster seen
         self.collector = StaleFieldCollector(
-            client, schema, f"{replica_id}:{incarnation}", self._holds_lease, options.collector
+            client, schema, f"{replica_id}:{incarnation}", self._holds_lease, options.collector, self.metrics.malformed
         )
         self.metrics.collector = self.collector.metrics
+        # Called once by a thread that died (see the module docstring), with its name and what ended it.
+        self.on_thread_death: Callable[[str, BaseException], None] | None = None
+        self.dead_thread: str | None = None  # the name of the first thread that died
         self._stop = threading.Event()
         self._threads = [
-            threading.Thread(target=self._write_loop, name="mirror-writer", daemon=True),
-            threading.Thread(target=self._heartbeat_loop, name="mirror-heartbeat", daemon=True),
+            self._supervised_thread("mirror-writer", self._write_loop),
+            self._supervised_thread("mirror-heartbeat", self._heartbeat_loop),
+            self._supervised_thread("mirror-collector", self.collector.run),
         ]
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
-        self.collector.start()
 
     def stop(self) -> None:
         """Stop writing and drop the lease if it is ours, so readers stop trusting our entries now."""
         self._stop.set()
         self.collector.stop()
         for thread in self._threads:
-            thread.join(timeout=5)
+            if thread.is_alive():
+                thread.join(timeout=5)
         self.publisher.close()
         try:
             self._drop_lease(keys=[self.schema.lease(self.replica_id)], args=[self.incarnation])
@@ -163,6 +191,9 @@ class MirrorWriter:
                 log.warning("Redis unreachable at start (%s); claiming the lease of %r in the background",
                             error, self.replica_id)  # fmt: skip
                 return
+            except MalformedLeaseError as error:
+                log.warning("%s; claiming the lease of %r in the background", error, self.replica_id)
+                return
             if other is None:
                 return
             if time.monotonic() >= deadline:
@@ -172,6 +203,24 @@ class MirrorWriter:
                             self.replica_id, other.incarnation, other.address, self._wait_for_other_s)  # fmt: skip
                 warned = True
             self._stop.wait(self.options.lease_ttl_s / 10)
+
+    def _supervised_thread(self, name: str, work: Callable[[], None]) -> threading.Thread:
+        """A daemon thread running `work`, which returns only when stopped or fenced: anything else is a death."""
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as error:  # the work's loops catch every Exception: this is a death
+                self._thread_died(name, error)
+
+        return threading.Thread(target=run, name=name, daemon=True)
+
+    def _thread_died(self, name: str, error: BaseException) -> None:
+        self.dead_thread = self.dead_thread or name
+        log.critical("the mirror's thread %s died (%s: %s): the mirror no longer works; restart this manager",
+                     name, type(error).__name__, error, exc_info=error)  # fmt: skip
+        if self.on_thread_death is not None:
+            self.on_thread_death(name, error)
 
     # -- writer --------------------------------------------------------------------
 
@@ -197,6 +246,12 @@ class MirrorWriter:
                 self.metrics.num_failures += 1
                 self._resync = True
                 log.warning("mirror write failed (%s); retrying in %.1fs, then resyncing", error, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.options.max_retry_backoff_s)
+            except Exception:
+                self.metrics.num_errors += 1
+                self._resync = True
+                log.exception("bug in the mirror writer; retrying in %.1fs, then resyncing", backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.options.max_retry_backoff_s)
 
@@ -249,26 +304,49 @@ class MirrorWriter:
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
                 log.warning("lease heartbeat failed: %s", error)
+            except MalformedLeaseError as error:
+                log.warning("lease heartbeat: %s; retrying", error)
+            except Exception:
+                self.metrics.num_errors += 1
+                log.exception("bug in the lease heartbeat; retrying")
             self._stop.wait(self.options.lease_ttl_s / 3)
 
     def _renew(self) -> Lease | None:
-        """Claim or renew our lease; None when we hold it now, else the other incarnation's lease."""
+        """Claim or renew our lease; None when we hold it now, else the other incarnation's lease.
+
+        A malformed value at our lease key is nobody's lease: it is counted
+        and replaced. Raises MalformedLeaseError when it changed before it
+        could be (another malformed value was written meanwhile).
+        """
         sent = time.monotonic()
         ttl_ms = int(self.options.lease_ttl_s * 1000)
         key = self.schema.lease(self.replica_id)
-        outcome = self._claim_lease(keys=[key], args=[self.incarnation, self.lease().to_json(), ttl_ms])
-        if not isinstance(outcome, int):
-            self._held_until = 0.0
-            self._refused_since = self._refused_since or sent
-            return Lease.from_json(self.replica_id, outcome)
-        if outcome == 0:
-            # No lease: this is our first claim, or Redis restarted (or lost
-            # data) without the writer seeing an error. Either way a
-            # republication makes the mirror whole.
+        lease_json = self.lease().to_json()
+        replaceable = b""  # "=" + a malformed value read at the key: nobody's lease, so the claim may replace it
+        for _ in range(2):
+            outcome = self._claim_lease(keys=[key], args=[self.incarnation, lease_json, ttl_ms, replaceable])
+            if isinstance(outcome, int):
+                break
+            other = Lease.parse(self.replica_id, outcome)
+            if other is not None:
+                self._held_until = 0.0
+                self._refused_since = self._refused_since or sent
+                return other
+            self.metrics.malformed.add("lease", f"{key} holds {outcome!r}")
+            replaceable = b"=" + outcome
+        else:
+            raise MalformedLeaseError(f"the lease key {key} changed while its malformed value was replaced")
+        if outcome == 2 and not replaceable:
+            self.metrics.malformed.add("key_type", f"{key} held another type than a lease")
+        if outcome != 1:
+            # No lease (or none that was one): this is our first claim, or Redis
+            # restarted (or lost data) without the writer seeing an error.
+            # Either way a republication makes the mirror whole.
             self._resync = True
         self._held_until = sent + self.options.lease_ttl_s * 3 / 4
         self._ever_held = True
-        self.client.sadd(self.schema.replicas, self.replica_id)
+        if self._add_replica(keys=[self.schema.replicas], args=[self.replica_id]):
+            self.metrics.malformed.add("key_type", f"{self.schema.replicas} held another type than a set")
         return None
 
     def _holds_lease(self) -> bool:

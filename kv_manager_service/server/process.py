@@ -416,11 +416,18 @@ def _start(
         readers = metrics.access.describe()
         log.info("metrics at %s, read with %s", metrics.url, readers, extra={"metrics_url": metrics.url})
     loop.run(server.start())
-    if mirror is not None:
-        mirror.start()
-        log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), mirror.schema.namespace)
     for name in ("", SERVICE_NAME):
         loop.run(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
+    if mirror is not None:  # started after SERVING is said, so a thread's death is never said over
+
+        def mirror_thread_died(thread_name: str, error: BaseException) -> None:
+            log.critical("the mirror's thread %s died: health checks answer NOT_SERVING from now on", thread_name)
+            for name in ("", SERVICE_NAME):
+                loop.run(health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+
+        mirror.on_thread_death = mirror_thread_died
+        mirror.start()
+        log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), mirror.schema.namespace)
     return RunningServer(
         server, loop, pool, replica, servicer, health_servicer, address, mirror, metrics, WorkerExpiry(replica)
     )

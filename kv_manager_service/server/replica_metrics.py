@@ -29,6 +29,8 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_mirror_collections_total` | counter | collections of stale index fields this replica ran (it held the deployment's lock) |
 | `kvcache_mirror_collected_fields_total` | counter | stale block fields (earlier incarnations', gone replicas') those collections deleted |
 | `kvcache_mirror_collected_replicas_total` | counter | gone replica ids those collections dropped from the replica set |
+| `kvcache_mirror_malformed_total{kind}` | counter | malformed Redis data the mirror skipped, by kind: `lease`, `replica_member`, `block_field`, `key_type` (mirror/schema.py `MALFORMED_KINDS`) |
+| `kvcache_mirror_errors_total` | counter | unexpected exceptions of the mirror's threads (logged with a traceback), which survived them |
 | `kvcache_host_num_blocks` | gauge | blocks of the host-memory tier (host-tier series only with `--num-host-blocks`) |
 | `kvcache_host_num_free_blocks` | gauge | host blocks free (cached free blocks included) |
 | `kvcache_host_usage_ratio` | gauge | share of the host blocks pinned by pending tier copies, 0..1 |
@@ -125,15 +127,33 @@ class ManagerCollector:
              mirror.collector.num_collected_fields if mirror else 0),
             (counter, "kvcache_mirror_collected_replicas", "Gone replica ids dropped from the replica set by them.",
              mirror.collector.num_collected_replicas if mirror else 0),
+            (counter, "kvcache_mirror_errors", "Unexpected exceptions of the mirror's threads, logged and survived.",
+             mirror.num_errors + mirror.collector.num_errors if mirror else 0),
         ]  # fmt: skip
         if host_tier is not None:
             figures += _host_tier_figures(host_tier)
         for family, name, documentation, value in figures:
             yield family(name, documentation, value=value)
         yield from _kv_loss_metrics(stats.kv_losses)
+        if mirror is not None:
+            yield _mirror_malformed_metric(mirror, self.cluster)
         if self.replica.tenancy is not None:
             yield from _tenant_metrics(self.replica)
         yield from _worker_metrics(self.replica)
+
+
+def _mirror_malformed_metric(mirror: MirrorMetrics, cluster: ClusterIndex | None) -> Metric:
+    """Malformed Redis data skipped by the writer, its collector and the lookups, labelled by kind."""
+    counts = mirror.malformed.by_kind()
+    if cluster is not None:
+        for kind, count in cluster.malformed.by_kind().items():
+            counts[kind] += count
+    family = CounterMetricFamily(
+        "kvcache_mirror_malformed", "Malformed Redis data the mirror skipped (never raised), by kind.", labels=["kind"]
+    )
+    for kind, count in counts.items():
+        family.add_metric([kind], count)
+    return family
 
 
 def _kv_loss_metrics(kv_losses: Sequence[KVLossCount]) -> Iterator[Metric]:
