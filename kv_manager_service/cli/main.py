@@ -109,6 +109,11 @@ def make_parser() -> argparse.ArgumentParser:
         "which holds the GIL the manager's RPCs need ~10x less per batch but costs some CPU in all; for a host "
         "with a core to spare (default %(default)s)",
     )  # fmt: skip
+    serve.add_argument(
+        "--redis-writer-timeout-s", type=float, default=30.0, metavar="S",
+        help="with --redis-writer process: a child that answers no batch within S seconds (stopped, stuck) is "
+        "killed and replaced, and the mirror resyncs (default %(default)s)",
+    )  # fmt: skip
     serve.add_argument("--model-name", default="default", help="namespaces the mirror's keys (default %(default)s)")
     serve.add_argument(
         "--lease-ttl-s", type=float, default=10.0,
@@ -198,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
         redis_collect_interval_s=args.redis_collect_interval_s,
         redis_collect_after_s=args.redis_collect_after_s,
         redis_writer=args.redis_writer,
+        redis_writer_timeout_s=args.redis_writer_timeout_s,
         model_name=args.model_name,
         lease_ttl_s=args.lease_ttl_s,
         worker_timeout_s=args.worker_timeout_s,

@@ -22,7 +22,11 @@ republication.
 
 A child that dies (killed, out of memory) fails the call in progress, or
 the next one, as a redis.ConnectionError: the writer resyncs, and the
-republication starts a new child. That child does not know what the dead
+republication starts a new child. A child that does not answer a call
+within `call_timeout_s` (stopped, or stuck) is killed and fails the call as
+a redis.TimeoutError, with the same recovery: a stalled child never holds
+the writer, so the backlog it leaves shows in the mirror's queue depth and
+lag, and a new child takes over. That child does not know what the dead
 one published, so its first republication sweeps: every entry of this
 replica in Redis that the pool does not hold is deleted. A child whose
 server dies reads the end of its socket and exits.
@@ -48,6 +52,8 @@ from kv_manager_service.mirror.schema import KeySchema
 
 CALLS = ("republish", "apply")
 """The EntryPublisher methods a parent may call in the child."""
+DEFAULT_CALL_TIMEOUT_S = 30.0
+"""How long a call may take before the child counts as stalled (--redis-writer-timeout-s)."""
 
 
 class PublisherProcess:
@@ -56,8 +62,14 @@ class PublisherProcess:
     The child starts at the first republication (the writer's first call).
     """
 
-    def __init__(self, endpoint: RedisEndpoint, schema: KeySchema, replica_id: str, incarnation: str) -> None:
+    def __init__(
+        self, endpoint: RedisEndpoint, schema: KeySchema, replica_id: str, incarnation: str,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ) -> None:  # fmt: skip
+        if not call_timeout_s > 0:
+            raise ValueError(f"the writer process's call timeout must be > 0 s, got {call_timeout_s}")
         self._setup = (endpoint, schema, replica_id, incarnation)
+        self.call_timeout_s = call_timeout_s
         self._child: subprocess.Popen | None = None
         self._connection: Connection | None = None
         # Invariant: True from a child's death until a later child's republication succeeds.
@@ -116,6 +128,8 @@ class PublisherProcess:
             raise redis.ConnectionError("the mirror's writer process was stopped")
         try:
             connection.send((name, args))
+            if not connection.poll(self.call_timeout_s):
+                self._stalled(name)
             status, value = connection.recv()
         except (EOFError, OSError) as error:
             self._lost(error)
@@ -124,6 +138,18 @@ class PublisherProcess:
         if status == "redis":
             raise redis.RedisError(value)
         raise RuntimeError(f"the mirror's writer process failed in {name}:\n{value}")
+
+    def _stalled(self, name: str) -> None:
+        """The child did not answer `name` in time: kill it (a stopped process too), and fail the call."""
+        child = self._child
+        if child is not None:
+            child.kill()
+        self.close()
+        self._needs_sweep = True
+        raise redis.TimeoutError(
+            f"the mirror's writer process (pid {child.pid if child else '?'}) did not answer {name} within "
+            f"{self.call_timeout_s:g}s: killed; the next republication starts another"
+        )
 
     def _lost(self, error: BaseException) -> None:
         child = self._child

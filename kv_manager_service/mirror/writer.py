@@ -140,6 +140,7 @@ class MirrorWriter:
         self._drop_lease = client.register_script(DROP_LEASE)
         self._add_replica = client.register_script(ADD_REPLICA)
         self._held_until = 0.0  # monotonic; we may write before it
+        self._writing_since_ns: int | None = None  # when the oldest event of the batch being written was logged
         self._ever_held = False
         self._refused_since: float | None = None  # monotonic; first refusal while we never held the lease
         self._cluster_epoch: int | None = None  # the highest configuration epoch of a Redis Cluster seen
@@ -277,7 +278,11 @@ class MirrorWriter:
             self._stop.wait(self.options.coalesce_s)
             batch = self.events.read(self._next_sequence, self.options.batch_events, timeout_s=0)
         self.metrics.queue_depth = self.events.last_id - self._next_sequence + 1
-        self.publisher.apply([event for _, (_, event) in batch])
+        self._writing_since_ns = batch[0][1][0]
+        try:
+            self.publisher.apply([event for _, (_, event) in batch])
+        finally:
+            self._writing_since_ns = None
         last_sequence, (appended_ns, _) = batch[-1]
         self._next_sequence = last_sequence + 1
         self.metrics.num_published += len(batch)
@@ -291,8 +296,17 @@ class MirrorWriter:
         """How long another incarnation's lease is waited on: one TTL, and one heartbeat for slack."""
         return self.options.lease_ttl_s * 4 / 3
 
+    def _refresh_backlog(self) -> None:
+        """While a batch is being written, the queue depth and the lag keep growing (from the heartbeat's
+        thread): a write that stalls shows in them before its deadline fails it."""
+        oldest_ns = self._writing_since_ns
+        if oldest_ns is not None:
+            self.metrics.queue_depth = max(0, self.events.last_id - self._next_sequence + 1)
+            self.metrics.lag_ms = max(self.metrics.lag_ms, (time.monotonic_ns() - oldest_ns) / 1e6)
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
+            self._refresh_backlog()
             try:
                 other = self._renew()
                 if other is not None and (

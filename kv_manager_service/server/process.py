@@ -92,6 +92,7 @@ class ServerOptions:
     redis_collect_interval_s: float = 300.0  # at most one collection of stale mirror fields per this long
     redis_collect_after_s: float = 600.0  # a replica id without a lease this long has all its fields collected
     redis_writer: str = "thread"  # one of REDIS_WRITERS: where the mirror's publisher runs (publisher_process.py)
+    redis_writer_timeout_s: float = 30.0  # a writer process that answers no call this long is replaced
     model_name: str = "default"  # namespaces the mirror's keys
     lease_ttl_s: float = 10.0
     worker_timeout_s: float = 10.0  # a registered worker neither streaming nor acknowledging this long is dropped
@@ -167,6 +168,8 @@ class ServerOptions:
             raise ValueError(f"--redis-cluster must be one of {modes}, got {self.redis_cluster!r}")
         if self.redis_writer not in REDIS_WRITERS:
             raise ValueError(f"--redis-writer must be one of {', '.join(REDIS_WRITERS)}, got {self.redis_writer!r}")
+        if not 0 < self.redis_writer_timeout_s <= 3600:
+            raise ValueError(f"--redis-writer-timeout-s must be in (0, 3600], got {self.redis_writer_timeout_s}")
         if (self.redis_tls_ca is not None or self.redis_password is not None) and not self.redis_url:
             raise ValueError("--redis-tls-ca and --redis-password-file need --redis-url")
         if self.redis_tls_ca is not None and not self.redis_url.startswith("rediss://"):
@@ -469,7 +472,9 @@ def _mirror(
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
     publisher = None  # "thread": the writer's own, on its client
     if options.redis_writer == "process":
-        publisher = PublisherProcess(endpoint, schema, replica.replica_id, str(replica.incarnation))
+        publisher = PublisherProcess(
+            endpoint, schema, replica.replica_id, str(replica.incarnation), options.redis_writer_timeout_s
+        )
     writer = MirrorWriter(
         client,
         schema,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -235,20 +236,58 @@ def test_a_killed_writer_process_is_replaced_and_the_last_one_exits_with_its_ser
                "the writer process to exit after its server")  # fmt: skip
 
 
+def test_a_stopped_writer_process_shows_in_the_backlog_and_is_replaced(redis_server, replicas):
+    """SIGSTOP the writer process: its server stays free, the mirror's queue depth and lag grow while the
+    batch waits, and past --redis-writer-timeout-s the child is killed and replaced; the mirror converges."""
+    a = replicas.start("replica-a", redis_server.url, extra=["--redis-writer", "process", "--redis-writer-timeout-s", "4"])
+    a.cache("before", prompt(300, 3 * BLOCK_SIZE))
+    wait_mirror_converged([a], redis_server, namespace())
+    stopped = _writer_process_of(a.process.pid)
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        for i in range(6):
+            a.cache(f"while-stopped-{i}", prompt(310 + i, 3 * BLOCK_SIZE))
+        # The heartbeat keeps the figures moving while the batch waits on the stopped child.
+        wait_until(a.stats, lambda s: s.mirror_queue_depth > 0 and s.mirror_lag_ms >= 2000, CONVERGE_TIMEOUT_S,
+                   "the backlog of a stalled writer to show")  # fmt: skip
+        wait_until(lambda: _writer_processes_of(a.process.pid), lambda pids: pids and stopped not in pids,
+                   CONVERGE_TIMEOUT_S, "a new writer process")  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed by its server, as it should be
+            os.kill(stopped, signal.SIGCONT)
+    wait_mirror_converged([a], redis_server, namespace())
+    assert a.stats().mirror_failures >= 1 and _exited_or_zombie(stopped)
+
+
+def _exited_or_zombie(pid: int) -> bool:
+    """Whether `pid` is gone (or a zombie no one waited for yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def _writer_process_of(server_pid: int) -> int:
     """The pid of the server's mirror publisher process (its child running mirror.publisher_process)."""
+    found = _writer_processes_of(server_pid)
+    assert len(found) == 1, f"server {server_pid} has writer processes {found}"
+    return found[0]
+
+
+def _writer_processes_of(server_pid: int) -> list[int]:
+    """The pids of the server's children running mirror.publisher_process, zombies left out."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 argv = cmdline.read().split(b"\0")
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if parent == server_pid and b"kv_manager_service.mirror.publisher_process" in argv:
+        if int(parent) == server_pid and state != "Z" and b"kv_manager_service.mirror.publisher_process" in argv:
             found.append(int(entry))
-    assert len(found) == 1, f"server {server_pid} has writer processes {found}"
-    return found[0]
+    return found
