@@ -321,6 +321,7 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             response.mirror_fenced = metrics.fenced
             response.mirror_lookups_skipped = self.cluster.num_skipped if self.cluster else 0
             response.mirror_malformed = metrics.malformed.total + (self.cluster.malformed.total if self.cluster else 0)
+            response.mirror_errors = metrics.num_errors + metrics.collector.num_errors
         caller = self._caller(context) if self.tenancy is not None else None
         if caller is not None and not caller.is_operator:
             self.tenancy.tenant_stats(caller.tenant, response)
