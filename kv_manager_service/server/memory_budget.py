@@ -10,10 +10,11 @@ worst, to what the process holds before its first block:
 
     base + (num_blocks + num_host_blocks) * (per block + transient per block) + retentions
 
-The figures per block are measured (RSS of a process holding a pool whose
-every block is cached, in both tiers, and of a compaction's snapshot built
-from it: 283 to 323 bytes, and 222 to 249 bytes more, for 10^5 to 2.5 * 10^5
-blocks), rounded up. A start whose estimate exceeds the memory available
+The figures per block are measured (`bench/manager_memory_bench.py`: the
+resident memory of a process holding a pool whose every block is cached,
+in both tiers, and of a compaction's snapshot built from it: 283 to 323
+bytes, and 222 to 249 bytes more, for 10^5 to 2.5 * 10^5 blocks), rounded
+up. A start whose estimate exceeds the memory available
 to it (MemAvailable, or the cgroup's limit less its usage when lower) is
 refused with the figures; `--no-memory-check` skips the check.
 """

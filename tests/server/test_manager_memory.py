@@ -3,6 +3,7 @@ is refused with the figures."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,45 +18,21 @@ from kv_manager_service.server.memory_budget import (
     estimate_memory,
 )
 
-# A pool whose every block is cached, in both tiers, then a compaction's snapshot of it; RSS before and after each.
-MEASURE = """
-import gc, sys
-from kv_manager_service.core import AllocateOp, FreeOp, KVCacheConfig, KVCacheManager
-from kv_manager_service.server.snapshot import core_to_proto
-
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
-
-num_blocks, num_host_blocks, block_size, per_request = int(sys.argv[1]), int(sys.argv[2]), 16, 256
-gc.collect()
-before = rss()
-manager = KVCacheManager(KVCacheConfig.from_dict(
-    {"num_blocks": num_blocks, "num_host_blocks": num_host_blocks, "enable_events": True}
-))
-tokens_per_request = per_request * block_size
-for i in range((num_blocks + num_host_blocks) // per_request + 2):
-    manager.step([AllocateOp(f"r{i}", range(i * tokens_per_request, (i + 1) * tokens_per_request), tokens_per_request)])
-    manager.step([FreeOp([f"r{i}"])])
-    manager.take_events()
-    manager.ack(manager.last_step_id)
-gc.collect()
-full = rss()
-snapshot = core_to_proto(manager.export_state()).SerializeToString()
-print(full - before, rss() - full, manager.stats().num_free_blocks, manager.host_tier_stats().num_free_host_blocks)
-"""
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_figures_per_block_hold_for_a_full_pool():
-    num_blocks = num_host_blocks = 40_000
+    """bench/manager_memory_bench.py: every block of both tiers cached, then a compaction's snapshot."""
     done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(num_blocks), str(num_host_blocks)],
-        capture_output=True, text=True, timeout=300, check=True,
+        [sys.executable, "bench/manager_memory_bench.py", "--pools", "40000:40000", "--json"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
     )  # fmt: skip
-    full, transient, num_free, num_free_host = map(int, done.stdout.split())
-    num = num_blocks + num_host_blocks
-    assert num_free == num_blocks - 1 and num_free_host == num_host_blocks  # free, and every one cached
-    assert full <= num * BYTES_PER_BLOCK, f"{full / num:.0f} bytes per block"
-    assert transient <= num * TRANSIENT_BYTES_PER_BLOCK, f"{transient / num:.0f} bytes per block"
+    figures = json.loads(done.stdout)
+    num = figures["num_blocks"] + figures["num_host_blocks"]
+    # Free, and every one cached (the null block is never free).
+    assert figures["cached_device_blocks"] == 40_000 - 1 and figures["free_host_blocks"] == 40_000
+    assert figures["full"] <= num * BYTES_PER_BLOCK, f"{figures['full'] / num:.0f} bytes per block"
+    assert figures["transient"] <= num * TRANSIENT_BYTES_PER_BLOCK, f"{figures['transient'] / num:.0f} bytes per block"
 
 
 def test_a_pool_that_cannot_fit_is_refused_with_the_figures():
