@@ -12,9 +12,9 @@ worst, to what the process holds before its first block:
 
 The figures per block are measured (`bench/manager_memory_bench.py`: the
 resident memory of a process holding a pool whose every block is cached,
-in both tiers, and of a compaction's snapshot built from it: 283 to 323
-bytes, and 222 to 249 bytes more, for 10^5 to 2.5 * 10^5 blocks), rounded
-up. A start whose estimate exceeds the memory available
+in both tiers, and of a compaction's snapshot built from it, all of its
+parts alive at once: 282 to 323 bytes, and 223 to 283 bytes more, for
+8 * 10^4 to 2.5 * 10^5 blocks), rounded up. A start whose estimate exceeds the memory available
 to it (MemAvailable, or the cgroup's limit less its usage when lower) is
 refused with the figures; `--no-memory-check` skips the check.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 BASE_BYTES = 64 << 20  # the server process before any block: Python, grpc, protobuf (measured ~50 MiB)
-BYTES_PER_BLOCK = 340  # a cached block of either tier
-TRANSIENT_BYTES_PER_BLOCK = 260  # the same block in a compaction's snapshot, or in a resync's tables
+BYTES_PER_BLOCK = 360  # a cached block of either tier
+TRANSIENT_BYTES_PER_BLOCK = 320  # the same block in a compaction's snapshot, or in a resync's tables
 
 
 class MemoryEstimate(NamedTuple):
