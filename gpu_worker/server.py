@@ -25,6 +25,7 @@ from gpu_worker.step_follower import FollowerError, StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_registry
+from kv_manager_service.shared.connections import connection_options
 from kv_manager_service.shared.metrics_endpoint import MetricsServer, metrics_access, start_metrics_server
 from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
 from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
@@ -37,6 +38,7 @@ from kvcache.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("gpu_worker.server")
 
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not finished its handshake by then is closed
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _WINDOWED_KINDS = {manager_pb.GROUP_KIND_FULL_ATTENTION: False, manager_pb.GROUP_KIND_SLIDING_WINDOW: True}
 
@@ -255,7 +257,10 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="worker-rpc"),
         interceptors=interceptors,
-        options=[("grpc.so_reuseport", 0)],  # a second server on this port is refused, not handed half the calls
+        options=[
+            ("grpc.so_reuseport", 0),  # a second server on this port is refused, not handed half the calls
+            *connection_options(None, HANDSHAKE_TIMEOUT_S),  # idle sockets cannot starve the scheduler
+        ],
     )
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()

@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import socket
 import threading
 import time
@@ -34,6 +33,7 @@ from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_reg
 from kv_manager_service.shared.metrics_endpoint import MetricsAccess, MetricsServer, metrics_access, start_metrics_server
 from kv_manager_service.server.replica_metrics import PRIVATE_LABELS, ManagerCollector
 from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
+from kv_manager_service.shared.connections import connection_limit, connection_options
 from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kv_manager_service.shared.security import BearerAuthInterceptor, ServerTLS, TokenTable
@@ -130,6 +130,7 @@ class ServerOptions:
             raise ValueError("replica_id must not be empty")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+        connection_limit(self.max_connections)  # refuses a cap that leaves too few open files
         if not 0 < self.handshake_timeout_s <= 600:
             raise ValueError(f"--handshake-timeout-s must be in (0, 600], got {self.handshake_timeout_s}")
         if self.max_workers < 2:
@@ -226,13 +227,6 @@ def memory_estimate(config: KVCacheConfig, options: ServerOptions) -> MemoryEsti
     limits = options.limits
     retention = limits.step_retention_bytes + limits.event_retention_bytes + limits.idempotency_retention_bytes
     return estimate_memory(config.num_blocks, config.num_host_blocks, retention)
-
-
-FDS_KEPT_FREE = 128  # open files the connections may not take (see `connection_limit`)
-IDLE_CONNECTION_S = 300  # a connection without a call this long is closed (the client reconnects on its next call)
-KEEPALIVE_S = 60  # the server pings a quiet peer this often ...
-KEEPALIVE_TIMEOUT_S = 20  # ... and drops it when no answer comes within this
-MIN_CLIENT_PING_S = 10  # a client's pings without calls, at most this often
 
 
 def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
@@ -341,15 +335,8 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
 async def _new_server(
     pool: futures.ThreadPoolExecutor, interceptors: list[grpc.ServerInterceptor], options: ServerOptions
 ) -> grpc.aio.Server:
-    """The gRPC server (not started); made on its event loop.
-
-    Connections are bounded so idle sockets cannot starve real clients: at most `connection_limit`
-    at once (more are closed at accept, before any file of the process runs out); one that has not
-    finished its handshake in `handshake_timeout_s` is closed, as is one without a call for
-    IDLE_CONNECTION_S; the server pings a quiet peer every KEEPALIVE_S and drops it when no answer
-    comes within KEEPALIVE_TIMEOUT_S, and refuses a client that pings more often than every
-    MIN_CLIENT_PING_S without calls (gRPC's strikes, then GOAWAY).
-    """
+    """The gRPC server (not started); made on its event loop. Its connections are bounded so idle
+    sockets cannot starve real clients (shared/connections.py)."""
     return grpc.aio.server(
         migration_thread_pool=pool,
         interceptors=[AioInterceptor(interceptor) for interceptor in interceptors],
@@ -359,31 +346,9 @@ async def _new_server(
             # send would tell the caller "refused"), and a worker must get every delta.
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),
-            ("grpc.max_allowed_incoming_connections", connection_limit(options.max_connections)),
-            ("grpc.server_handshake_timeout_ms", int(options.handshake_timeout_s * 1000)),
-            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_S * 1000),
-            ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
-            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_S * 1000),
+            *connection_options(options.max_connections, options.handshake_timeout_s),
         ],
     )
-
-
-def connection_limit(max_connections: int | None) -> int:
-    """The connections the server accepts at once: `max_connections`, or by default the process's
-    open-file limit less FDS_KEPT_FREE (the journal, Redis, the metrics endpoint, the writer process).
-    ValueError when `max_connections` would leave fewer than FDS_KEPT_FREE files free."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    room = soft - FDS_KEPT_FREE if soft != resource.RLIM_INFINITY else 1 << 20
-    if max_connections is None:
-        return max(16, room)
-    if max_connections > room:
-        raise ValueError(
-            f"--max-connections {max_connections} would leave fewer than {FDS_KEPT_FREE} of the {soft} files the "
-            f"process may open (ulimit -n) for the journal, Redis and the rest: raise ulimit -n, or lower "
-            f"--max-connections to {max(room, 1)} or less"
-        )
-    return max_connections
 
 
 def _start(

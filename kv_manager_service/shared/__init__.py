@@ -12,6 +12,7 @@ The processes' plumbing:
 - `bounds`, `parse_errors`: every request's limits, checked before any handler;
 - `rpc_metrics`, `metrics_endpoint`: RPC timing, and the /metrics endpoint with who may read it;
 - `aio`: the grpc.aio server's event-loop thread; `logs`: one JSON object per log line;
+- `connections`: how a server bounds its connections (idle sockets cannot starve real clients);
 - `ports`, `ready_line`, `termination`: listening, saying so, and stopping on a signal;
 - `arg_types`: argparse value types shared by the command lines.
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
-from kv_manager_service.server.process import FDS_KEPT_FREE, connection_limit
+from kv_manager_service.shared.connections import FDS_KEPT_FREE, connection_limit
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from processes import launch, stop_all
 
