@@ -111,6 +111,8 @@ class MissingKVReporter:
                         self.pending.popleft()
                     backoff_s = self.first_backoff_s
                     continue
+                if self.closed:  # closed while this report was on its way: `close` notified no one
+                    return
                 self.changed.wait(backoff_s)
             backoff_s = min(2 * backoff_s, self.max_backoff_s)
 

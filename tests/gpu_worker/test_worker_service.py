@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from concurrent import futures
 
@@ -233,6 +234,46 @@ def test_a_report_the_manager_did_not_answer_is_sent_again_until_it_does(flaky_m
         assert reporter.num_pending == 0 and [r.step_id for r in manager.received] == [1, 2]
     finally:
         reporter.close()
+
+
+class ManagerSlowToRefuse(manager_pb_grpc.KVManagerServiceServicer):
+    """ReportMissingKV: UNAVAILABLE at once the first time, then only once `release` is set."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.retry_arrived = threading.Event()
+        self.release = threading.Event()
+
+    def ReportMissingKV(self, request, context):
+        self.calls += 1
+        if self.calls > 1:
+            self.retry_arrived.set()
+            self.release.wait(10)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "not yet")
+
+
+def test_closing_while_a_retry_is_on_its_way_stops_the_retries_at_once():
+    """A retry whose failure comes back after `close` must not start its backoff: it ends there."""
+    servicer = ManagerSlowToRefuse()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    manager_pb_grpc.add_KVManagerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = KVManagerClient(f"127.0.0.1:{port}", timeout_s=5, read_retry=RetryPolicy(attempts=1))
+    reporter = MissingKVReporter(client, first_backoff_s=60)
+    try:
+        assert reporter.report(report(1)) is False
+        assert servicer.retry_arrived.wait(5)  # the retry thread's call is on its way
+        closing = threading.Thread(target=reporter.close)
+        closing.start()
+        time.sleep(0.2)  # close() has notified, with no one waiting yet
+        servicer.release.set()
+        closing.join(timeout=3)
+        assert not closing.is_alive() and not reporter.thread.is_alive()
+    finally:
+        servicer.release.set()
+        client.close()
+        server.stop(0)
 
 
 def test_the_reports_waiting_for_the_manager_are_bounded_oldest_dropped_first(flaky_manager):
