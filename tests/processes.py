@@ -9,6 +9,10 @@ from the exit code only.
 from __future__ import annotations
 
 import json
+import os
+import resource
+import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -90,3 +94,37 @@ def log_records(process: LaunchedProcess) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             raise AssertionError(f"stderr line {number} is not JSON: {line!r}") from None
     return records
+
+
+# A process started under `ulimit -n N`, as an operator's unit file would start it.
+_LIMITED = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({0}, {0})); os.execv(sys.argv[1], sys.argv[1:])"
+
+
+def with_open_file_limit(argv: Sequence[str], limit: int) -> list[str]:
+    """`argv` (a Python module run as `sys.executable -m ...`, or any program) run with `limit` open files."""
+    return [sys.executable, "-c", _LIMITED.format(limit), *argv]
+
+
+def open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@contextmanager
+def idle_connections(address: str, count: int) -> Iterator[list[socket.socket]]:
+    """`count` TCP connections to `address` that never send a byte (those refused or reset at once left
+    out), closed at the end; this process's open-file limit is raised for them first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 256:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 1024), hard))
+    host, port = address.rsplit(":", 1)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            try:
+                sockets.append(socket.create_connection((host, int(port)), timeout=5))
+            except OSError:  # refused or reset past the server's cap: it is not out of files
+                pass
+        yield sockets
+    finally:
+        for s in sockets:
+            s.close()
