@@ -107,14 +107,12 @@ def step_ops(message: pb.StepRequest) -> tuple[list[Op], DecodeBatch | None]:
 
 
 def missing_kv_report(message: pb.ReportMissingKVRequest) -> MissingKVReport:
-    """A worker's report as sent; its cause is checked by the replica (an unknown value is kept as its
-    number, so the refusal can name it)."""
-    cause = message.cause
+    """A worker's report as sent (the replica checks its cause)."""
     return MissingKVReport(
         message.worker_id,
         message.incarnation,
         message.step_id,
-        KVLossCause(cause) if cause in KVLossCause._value2member_map_ else cause,
+        message.cause,
         tuple(message.device_block_ids),
         tuple(message.host_block_ids),
         tuple(message.request_ids),

@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
@@ -128,3 +129,26 @@ def idle_connections(address: str, count: int) -> Iterator[list[socket.socket]]:
     finally:
         for s in sockets:
             s.close()
+
+
+def exited(pid: int) -> bool:
+    """Whether process `pid` is gone (or a zombie no one waited for yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def served_within(call: Callable[[], Any], deadline_s: float, what: str) -> Any:
+    """Repeat `call` until it returns without a gRPC error, and return its answer; fail naming `what` past
+    `deadline_s`."""
+    import grpc
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as error:
+            assert time.monotonic() < deadline, f"{what} not served within {deadline_s:g}s: {error}"
+            time.sleep(0.2)

@@ -48,7 +48,7 @@ class MissingKVReport(NamedTuple):
     worker_id: str
     incarnation: int  # as the worker registered; 0: not said
     step_id: int  # the step the worker was about to run
-    cause: KVLossCause  # STEP_REFUSED or KV_MISSING
+    cause: int  # a KVLossCause as sent: the replica accepts STEP_REFUSED and KV_MISSING only
     device_block_ids: tuple[int, ...]
     host_block_ids: tuple[int, ...]
     request_ids: tuple[str, ...]

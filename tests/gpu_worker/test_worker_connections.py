@@ -5,7 +5,6 @@ scheduler out past the handshake timeout."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -14,7 +13,7 @@ from gpu_worker.server import HANDSHAKE_TIMEOUT_S
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from kvcache.v1 import worker_pb2 as pb
 from kvcache.v1 import worker_pb2_grpc as pb_grpc
-from processes import idle_connections, launch, open_files, stop_all, with_open_file_limit
+from processes import idle_connections, launch, open_files, served_within, stop_all, with_open_file_limit
 
 NOFILE = 1024
 NUM_IDLE = 1100
@@ -35,16 +34,13 @@ def test_idle_connections_do_not_lock_the_scheduler_out_of_a_worker(tmp_path: Pa
         processes.append(worker)
         with idle_connections(worker.address, NUM_IDLE):
             assert open_files(worker.process.pid) <= NOFILE - 100
-            deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S + 20
             with grpc.insecure_channel(worker.address) as channel:
                 stub = pb_grpc.WorkerServiceStub(channel)
-                while True:
-                    try:
-                        assert stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=2).worker_id == "w"
-                        break
-                    except grpc.RpcError as error:
-                        assert time.monotonic() < deadline, f"no call served with {NUM_IDLE} idle sockets: {error}"
-                        time.sleep(0.2)
+                info = served_within(
+                    lambda: stub.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=2),
+                    HANDSHAKE_TIMEOUT_S + 20, f"GetWorkerInfo with {NUM_IDLE} idle sockets",
+                )  # fmt: skip
+                assert info.worker_id == "w"
             assert worker.process.poll() is None
     finally:
         failures = stop_all(processes)

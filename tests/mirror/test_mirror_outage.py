@@ -18,6 +18,7 @@ from mirror_support import (
     wait_mirror_converged,
     wait_until,
 )
+from processes import exited
 
 def test_redis_sigkill_under_load_then_mirror_converges_exactly(redis_server, replicas):
     """replica-a writes from a thread, replica-b from a writer process (--redis-writer)."""
@@ -256,16 +257,7 @@ def test_a_stopped_writer_process_shows_in_the_backlog_and_is_replaced(redis_ser
         with contextlib.suppress(ProcessLookupError):  # killed by its server, as it should be
             os.kill(stopped, signal.SIGCONT)
     wait_mirror_converged([a], redis_server, namespace())
-    assert a.stats().mirror_failures >= 1 and _exited_or_zombie(stopped)
-
-
-def _exited_or_zombie(pid: int) -> bool:
-    """Whether `pid` is gone (or a zombie no one waited for yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    assert a.stats().mirror_failures >= 1 and exited(stopped)
 
 
 def _writer_process_of(server_pid: int) -> int:

@@ -31,6 +31,7 @@ from kv_manager_service.mirror.publisher_process import PublisherProcess
 from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
 from kv_manager_service.mirror.schema import KeySchema, Lease, ReplicaIdInUseError
 from mirror_support import replica_block_set, wait_until
+from processes import exited
 
 REPLICA = "writer-under-test"
 INCARNATION = 1_700_000_000_000_000_001
@@ -472,7 +473,7 @@ def test_a_killed_writer_process_is_replaced_and_the_entries_it_published_are_sw
     wait_converged(mirror_redis, pool, writer)
     dead_pid = writer.publisher.pid
     os.kill(dead_pid, signal.SIGKILL)
-    wait_until(lambda: _exited(dead_pid), bool, CONVERGE_S, "the writer process to die")
+    wait_until(lambda: exited(dead_pid), bool, CONVERGE_S, "the writer process to die")
     pool.remove(*(h(i) for i in range(10)))  # the batch that meets the dead process
     pool.store(h(20))
     wait_until(lambda: writer.publisher.num_starts, lambda n: n == 2, CONVERGE_S, "a new writer process")
@@ -488,13 +489,4 @@ def test_a_stopped_writer_stops_its_process(mirror_redis, process_writer):
     pid = writer.publisher.pid
     writer.stop()
     assert writer.publisher.pid is None
-    wait_until(lambda: _exited(pid), bool, CONVERGE_S, "the writer process to exit")
-
-
-def _exited(pid: int) -> bool:
-    """Whether `pid` is gone (or a zombie no one waited for yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    wait_until(lambda: exited(pid), bool, CONVERGE_S, "the writer process to exit")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import resource
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -16,23 +15,11 @@ from kv_manager_service.shared.connections import FDS_KEPT_FREE, connection_limi
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
-from processes import idle_connections, launch, open_files, stop_all, with_open_file_limit
+from processes import idle_connections, launch, open_files, served_within, stop_all, with_open_file_limit
 
 NOFILE = 1024
 NUM_IDLE = 1100
 HANDSHAKE_TIMEOUT_S = 2.0
-
-
-def served_within(call, deadline_s: float, what: str) -> None:
-    """Call `call` until it answers; fail naming `what` past `deadline_s`."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            call()
-            return
-        except grpc.RpcError as error:
-            assert time.monotonic() < deadline, f"{what} not served with {NUM_IDLE} idle sockets: {error}"
-            time.sleep(0.2)
 
 
 def test_idle_connections_do_not_lock_out_a_real_client(tmp_path: Path):
@@ -47,7 +34,7 @@ def test_idle_connections_do_not_lock_out_a_real_client(tmp_path: Path):
             assert open_files(server.process.pid) <= NOFILE - 100  # the connections left files for the rest
             with grpc.insecure_channel(server.address) as channel:
                 stub = pb_grpc.KVManagerServiceStub(channel)
-                served_within(lambda: stub.GetStats(pb.GetStatsRequest(), timeout=2), HANDSHAKE_TIMEOUT_S + 20, "GetStats")
+                served_within(lambda: stub.GetStats(pb.GetStatsRequest(), timeout=2), HANDSHAKE_TIMEOUT_S + 20, f"GetStats with {NUM_IDLE} idle sockets")
             assert server.process.poll() is None
             assert open_files(server.process.pid) < 100  # the idle sockets were closed by their handshake timeout
     finally:
