@@ -14,13 +14,18 @@ from kv_manager_service.shared.logs import configure_logging
 def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpu-worker",
-        usage="%(prog)s --manager HOST:PORT [options]",
+        usage="%(prog)s --manager HOST:PORT[,HOST:PORT...] [options]",
         description="Hold the KV cache of one kv-manager's pool and run a Llama-style decoder over it.",
     )
-    parser.add_argument("--manager", required=require_manager, metavar="HOST:PORT", help="the kv-manager to follow")
+    parser.add_argument(
+        "--manager", required=require_manager, metavar="HOST:PORT[,HOST:PORT...]",
+        help="the kv-manager to follow; or every member of its high-availability group, comma-separated: "
+        "the worker follows the primary and, when it changes, the new one",
+    )  # fmt: skip
     parser.add_argument(
         "--manager-timeout-s", type=float, default=30.0,
-        help="how long to wait at startup for the manager to answer, before loading anything (default %(default)s)",
+        help="how long to wait at startup for the manager to answer (with several, for one to be the primary), "
+        "before loading anything (default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)")

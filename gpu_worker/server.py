@@ -23,7 +23,7 @@ from gpu_worker.runner import CacheGroup, ModelRunner, PoolShape
 from gpu_worker.service import EXECUTE_DURATION_BUCKETS_S, WorkerMetrics, WorkerServicer
 from gpu_worker.step_follower import FollowerError, StepFollower
 from gpu_worker.weights import load_safetensors, random_weights
-from kv_manager_service.client import KVManagerClient
+from kv_manager_service.client import KVManagerClient, manager_addresses
 from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_registry
 from kv_manager_service.shared.connections import connection_options
 from kv_manager_service.shared.metrics_endpoint import MetricsServer, metrics_access, start_metrics_server
@@ -45,7 +45,7 @@ _WINDOWED_KINDS = {manager_pb.GROUP_KIND_FULL_ATTENTION: False, manager_pb.GROUP
 
 @dataclasses.dataclass(frozen=True)
 class WorkerOptions:
-    manager: str  # HOST:PORT of the kv-manager
+    manager: str  # HOST:PORT of the kv-manager, or of each member of its HA group, comma-separated
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     device: str = "cpu"
@@ -79,6 +79,10 @@ class WorkerOptions:
             raise ValueError(f"--manager-timeout-s must be > 0, got {self.manager_timeout_s:g}")
         if not self.worker_id:
             raise ValueError("--worker-id must not be empty")
+        try:
+            manager_addresses(self.manager)
+        except ValueError:
+            raise ValueError(f"--manager must be HOST:PORT[,HOST:PORT...], got {self.manager!r}") from None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -165,22 +169,26 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         raise ValueError("--device cuda: no CUDA device is available to torch")
     model_config, checkpoint = resolve_model(options.model)
     manager = KVManagerClient(options.manager, tls=options.manager_tls, token=options.manager_token)
+    group = len(manager.addresses) > 1
     log.info(
-        "waiting up to %gs for the manager at %s", options.manager_timeout_s, options.manager,
-        extra={"manager": options.manager},
+        "waiting up to %gs for %s at %s", options.manager_timeout_s, "a primary manager" if group else "the manager",
+        options.manager, extra={"manager": options.manager},
     )  # fmt: skip
     try:
         manager.wait_ready(options.manager_timeout_s)
     except grpc.FutureTimeoutError:
         manager.close()
+        if group:
+            what = f"no manager of {options.manager} was the primary"
+        else:
+            what = f"the manager at {options.manager} did not answer"
         raise ConnectionError(
-            f"the manager at {options.manager} did not answer within {options.manager_timeout_s:g}s: "
-            "start it first, or wait longer with --manager-timeout-s"
+            f"{what} within {options.manager_timeout_s:g}s: start it first, or wait longer with --manager-timeout-s"
         ) from None
     try:
         manager_config = manager.get_config()
     except grpc.RpcError as error:  # a refused token, most likely
-        raise ConnectionError(f"the manager at {options.manager} refused GetConfig: {error.code().name}: {error.details()}") from None
+        raise ConnectionError(f"the manager at {manager.address} refused GetConfig: {error.code().name}: {error.details()}") from None
     pool = pool_shape(manager_config)
     check_prefix_caching(model_config, manager_config.enable_prefix_caching)
 

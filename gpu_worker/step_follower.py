@@ -1,4 +1,5 @@
-"""The manager's step deltas, received in the background and handed out in order."""
+"""The manager's step deltas, received in the background and handed out in order, from the primary
+of the manager's high-availability group when it has one."""
 
 from __future__ import annotations
 
@@ -26,8 +27,16 @@ class StepFollower:
     Deltas are kept until taken; `take_through(n)` waits until every step up
     to n has arrived. Invariant: the deltas held are consecutive, starting at
     the first step not yet taken. Every WatchSteps, reconnections included,
-    carries `incarnation`: the manager tells a worker process that restarted
-    (empty memory) from one that reconnected (see WatchStepsRequest).
+    carries `worker_id` and `incarnation`: the manager tells a worker process
+    that restarted (empty memory) from one that reconnected (see
+    WatchStepsRequest).
+
+    A stream that a standby refuses (NOT_PRIMARY) or that breaks UNAVAILABLE
+    moves the client to the primary named or the next address
+    (`KVManagerClient.fail_over`). Once the stream is to another manager,
+    the deltas not yet taken are dropped and asked again from it, from the
+    first step not yet taken: every delta taken comes from the manager
+    followed at the time.
     """
 
     def __init__(self, client: KVManagerClient, worker_id: str, first_step_id: int, incarnation: int = 0) -> None:
@@ -82,8 +91,8 @@ class StepFollower:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"the manager at {self.client.address} did not register worker {self.worker_id!r} "
-                        f"within {timeout_s:g}s"
+                        f"the manager at {' or '.join(self.client.addresses)} did not register worker "
+                        f"{self.worker_id!r} within {timeout_s:g}s"
                     )
                 self.changed.wait(remaining)
 
@@ -117,14 +126,21 @@ class StepFollower:
 
     def _run(self) -> None:
         backoff_s = 0.05
+        registered_at: str | None = None  # the manager the last stream registered with
         while True:
             with self.changed:
                 if self.closed:
                     return
+                address = self.client.address
+                if registered_at is not None and address != registered_at:
+                    self._drop_untaken()
                 self.stream = stream = self.client.watch_steps(self.worker_id, self.next_step_id, self.incarnation)
             try:
                 metadata = stream.initial_metadata()  # waits for the headers, sent once the worker is registered
-                if not self.registered and any(key == FIRST_STEP_ID_HEADER for key, _ in metadata or ()):
+                if any(key == FIRST_STEP_ID_HEADER for key, _ in metadata or ()):
+                    if registered_at != address:
+                        log.info("worker %s registered with the manager at %s", self.worker_id, address)
+                    registered_at, backoff_s = address, 0.05
                     with self.changed:
                         self.registered = True
                         self.changed.notify_all()
@@ -134,7 +150,6 @@ class StepFollower:
                         self.deltas.append(delta)
                         self.next_step_id += 1
                         self.changed.notify_all()
-                    backoff_s = 0.05
             except grpc.RpcError as error:
                 if error.code() is grpc.StatusCode.OUT_OF_RANGE:
                     with self.changed:
@@ -142,10 +157,17 @@ class StepFollower:
                         self.changed.notify_all()
                     log.error("%s", self.error)
                     return
+                not_primary = self.client.fail_over(address, error)
                 if error.code() is not grpc.StatusCode.CANCELLED:
-                    log.warning("step stream from %s broke (%s); reconnecting", self.client.address, error.code().name)
+                    why = "refused: not the primary" if not_primary else f"broke ({error.code().name})"
+                    log.warning("step stream from %s %s; reconnecting to %s", address, why, self.client.address)
             with self.changed:
                 if self.closed:
                     return
                 self.changed.wait(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
+
+    def _drop_untaken(self) -> None:
+        """Forget the deltas not yet taken: the next stream asks for them again. The caller holds `changed`."""
+        self.next_step_id -= len(self.deltas)
+        self.deltas.clear()

@@ -47,6 +47,7 @@ class BroadcastLog(Generic[Item]):
         self._entries: deque[Item] = deque()
         self._last_id = 0
         self._closed = False
+        self._generation = 0  # `end_followers` ends the follows started before it
         self._changed = threading.Condition()
         # Futures of readers waiting for news on an event loop, by loop: one wake-up call per loop.
         self._waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
@@ -93,6 +94,12 @@ class BroadcastLog(Generic[Item]):
             self._closed = True
             self._notify()
 
+    def end_followers(self) -> None:
+        """End every `follow` under way (after what it has been given), keeping the entries for later ones."""
+        with self._changed:
+            self._generation += 1
+            self._notify()
+
     def check_retained(self, first_id: int) -> None:
         """Raise LogTruncatedError if entry `first_id` (>= 1) was dropped."""
         with self._changed:
@@ -116,7 +123,7 @@ class BroadcastLog(Generic[Item]):
 
     async def follow(self, first_id: int, max_items: int = 1 << 16) -> AsyncIterator[list[tuple[int, Item]]]:
         """Yield every new (id, item) from `first_id` on, in lists of at most `max_items`, until the log
-        closes; on an event loop.
+        closes or `end_followers` is called; on an event loop.
 
         Waiting costs a future, not a thread. Raises LogTruncatedError if the
         reader falls behind the retained window. A cancelled reader (its
@@ -124,8 +131,11 @@ class BroadcastLog(Generic[Item]):
         """
         loop = asyncio.get_running_loop()
         next_id = max(first_id, 1)
+        generation = self._generation
         while True:
             with self._changed:
+                if self._generation != generation:
+                    return
                 if next_id < self.first_retained_id:
                     raise LogTruncatedError(next_id, self.first_retained_id)
                 offset = next_id - self.first_retained_id

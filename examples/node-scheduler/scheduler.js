@@ -7,9 +7,10 @@
 // its own copy of the block tables from the responses only, checks it
 // against GetBlockTables, frees everything and shows one error path.
 //
-// Usage: node scheduler.js HOST:PORT
-// Progress goes to stderr; stdout gets one JSON summary line. Exit code 0
-// on success, 1 on any failure.
+// Usage: node scheduler.js HOST:PORT[,HOST:PORT...]   (or KV_MANAGERS=HOST:PORT,...)
+// Several addresses are the members of a high-availability group: calls
+// follow its primary. Progress goes to stderr; stdout gets one JSON summary
+// line. Exit code 0 on success, 1 on any failure.
 'use strict';
 
 const assert = require('node:assert/strict');
@@ -21,6 +22,7 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', 'proto');
 const PROTO_FILE = 'kvcache/v1/kv_manager.proto';
 const DEADLINE_MS = 10_000;
+const MAX_FAILOVERS = 50; // tries of one call refused NOT_PRIMARY, 100 ms apart when no primary is named
 
 const PROMPT = Array.from({ length: 40 }, (_, i) => 1000 + i);
 const NUM_DECODE_STEPS = 20;
@@ -29,7 +31,11 @@ const OK = 'ALLOCATE_STATUS_OK';
 const log = (...args) => console.error('[scheduler]', ...args);
 
 // A client whose unary methods return promises, each call with a deadline.
-function connect(address) {
+// It follows the primary of a group: a standby refuses a mutation with
+// UNAVAILABLE and the trailers `kvcache-reason: NOT_PRIMARY` and, when it
+// knows one, `kvcache-primary: HOST:PORT`. Nothing was applied, so the call
+// is sent again there, or to the next address.
+function connect(addresses) {
   const definition = protoLoader.loadSync(PROTO_FILE, {
     includeDirs: [PROTO_ROOT],
     keepCase: true, // field names as in the .proto: request_id, not requestId
@@ -38,12 +44,32 @@ function connect(address) {
     defaults: true, // unset scalars and repeated fields come back as 0 / '' / []
   });
   const { KVManagerService } = grpc.loadPackageDefinition(definition).kvcache.v1;
-  const client = new KVManagerService(address, grpc.credentials.createInsecure());
-  const rpc = { close: () => client.close() };
+  const known = [...addresses];
+  const clients = new Map(); // one channel per address, opened at its first call
+  const clientAt = (address) => {
+    if (!clients.has(address)) clients.set(address, new KVManagerService(address, grpc.credentials.createInsecure()));
+    return clients.get(address);
+  };
+  let current = known[0];
+  const rpc = { address: () => current, close: () => clients.forEach((client) => client.close()) };
   for (const name of Object.keys(KVManagerService.service)) {
     if (KVManagerService.service[name].responseStream) continue; // Watch* streams are not used here
-    const call = promisify(client[name]).bind(client);
-    rpc[name] = (request = {}) => call(request, { deadline: Date.now() + DEADLINE_MS });
+    rpc[name] = async (request = {}) => {
+      for (let attempt = 1; ; attempt++) {
+        const client = clientAt(current);
+        try {
+          return await promisify(client[name]).call(client, request, { deadline: Date.now() + DEADLINE_MS });
+        } catch (err) {
+          const reason = err.metadata?.get('kvcache-reason')[0];
+          if (err.code !== grpc.status.UNAVAILABLE || reason !== 'NOT_PRIMARY' || attempt === MAX_FAILOVERS) throw err;
+          const primary = err.metadata.get('kvcache-primary')[0];
+          if (primary && !known.includes(primary)) known.push(primary);
+          current = primary || known[(known.indexOf(current) + 1) % known.length];
+          log(`${name}: not the primary; trying ${current}`);
+          if (!primary) await new Promise((resolve) => setTimeout(resolve, 100));
+        }
+      }
+    };
   }
   return rpc;
 }
@@ -99,8 +125,8 @@ function nextStep(state, stepId) {
   state.lastStepId = BigInt(stepId);
 }
 
-async function run(address) {
-  const kv = connect(address);
+async function run(addresses) {
+  const kv = connect(addresses);
   const tables = new BlockTables();
   try {
     const config = await kv.GetConfig();
@@ -199,7 +225,7 @@ async function run(address) {
 
     return {
       ok: true,
-      address,
+      address: kv.address(),
       replica_id: config.replica_id,
       incarnation: config.incarnation,
       block_size: blockSize,
@@ -221,14 +247,14 @@ async function run(address) {
 }
 
 async function main() {
-  const address = process.argv[2];
-  if (!address) {
-    console.error('usage: node scheduler.js HOST:PORT');
+  const addresses = (process.argv[2] ?? process.env.KV_MANAGERS ?? '').split(',').map((a) => a.trim()).filter(Boolean);
+  if (!addresses.length) {
+    console.error('usage: node scheduler.js HOST:PORT[,HOST:PORT...]  (or KV_MANAGERS=HOST:PORT,...)');
     process.exitCode = 2;
     return;
   }
   try {
-    console.log(JSON.stringify(await run(address)));
+    console.log(JSON.stringify(await run(addresses)));
   } catch (err) {
     console.error('[scheduler] FAILED:', err);
     console.log(JSON.stringify({ ok: false, error: String(err.message ?? err), code: err.code ?? null }));

@@ -120,6 +120,29 @@ def make_parser() -> argparse.ArgumentParser:
         help="the replica's lease in Redis expires after this long without a heartbeat; a second manager with "
         "the same --replica-id waits this long for it to lapse, then refuses to start (default %(default)s)",
     )
+    ha = serve.add_argument_group("high availability (see the README's High availability section)")
+    ha.add_argument(
+        "--ha-url", metavar="URL",
+        help="join the high-availability group of --replica-id whose leadership lease is in this Redis "
+        "(redis://HOST:PORT/DB; may be --redis-url's): one member serves, the others follow it as hot standbys "
+        "and one takes over when it fails; give that Redis persistence (appendonly yes)",
+    )  # fmt: skip
+    ha.add_argument(
+        "--advertise-address", metavar="HOST:PORT",
+        help="the address the other members, clients and workers reach this manager at (default: --host and "
+        "the port really bound; set it when --host is 0.0.0.0)",
+    )  # fmt: skip
+    ha.add_argument(
+        "--ha-lease-ms", type=int, default=1200, metavar="MS",
+        help="the primary's leadership lease: a failed primary is replaced within about this long; it renews "
+        "it four times a lease, and stops accepting before it can lapse (default %(default)s)",
+    )  # fmt: skip
+    ha.add_argument(
+        "--ha-sync-timeout-ms", type=int, default=500, metavar="MS",
+        help="an in-sync standby that has not acknowledged a record this long after it was needed leaves the "
+        "in-sync set (recorded in Redis first, so it cannot be promoted), and the primary goes on without it "
+        "(default %(default)s)",
+    )  # fmt: skip
     serve.add_argument(
         "--worker-timeout-s", type=float, default=10.0,
         help="a worker registered by WatchSteps that has no stream open and sends no AckSteps for this long is "
@@ -176,6 +199,7 @@ def make_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from kv_manager_service.shared.logs import configure_logging
     from kv_manager_service.shared.metrics_endpoint import load_scrape_token_file
+    from kv_manager_service.server.ha_options import HAOptions
     from kv_manager_service.server.process import ServerOptions, serve
     from kv_manager_service.server.retention import ServiceLimits
 
@@ -216,6 +240,9 @@ def run_serve(args: argparse.Namespace) -> int:
         journal_compact_bytes=args.journal_compact_bytes,
         memory_check=not args.no_memory_check,
         check_invariants=args.check_invariants,
+        ha_url=args.ha_url,
+        advertise_address=args.advertise_address,
+        ha=HAOptions(lease_s=args.ha_lease_ms / 1000, sync_timeout_s=args.ha_sync_timeout_ms / 1000),
         **security_options(args),
     )
     return serve(config, options)

@@ -75,12 +75,15 @@ class ReplicaIdInUseError(ValueError):
 
 
 # KEYS[1]: the lease; ARGV: our incarnation, the new lease JSON, its TTL in ms,
-# and '=' followed by a malformed value read at the key before, which is
-# nobody's lease ('' for none).
-# Sets the lease if the key is absent (returns 0), ours (returns 1), or not a
+# '=' followed by a malformed value read at the key before, which is
+# nobody's lease ('' for none), and '1' when a lower incarnation's lease may
+# be taken over (a high-availability group's new primary: its incarnation is
+# its fencing token, so an older primary's is lower).
+# Sets the lease if the key is absent (returns 0), ours (returns 1), not a
 # lease (returns 2: a key of another type, or that malformed value, still
-# there); otherwise leaves it and returns it. The incarnation is compared as a
-# string: it exceeds the 2**53 that Lua's numbers hold exactly.
+# there), or taken over (returns 3); otherwise leaves it and returns it. The
+# incarnation is compared as a string: it exceeds the 2**53 that Lua's
+# numbers hold exactly; a takeover compares lengths first, then the digits.
 CLAIM_LEASE = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 local outcome = 2
@@ -88,8 +91,11 @@ if kind == 'none' then
   outcome = 0
 elseif kind == 'string' then
   local current = redis.call('GET', KEYS[1])
-  if string.match(current, '"incarnation": *(%d+)') == ARGV[1] then
+  local theirs = string.match(current, '"incarnation": *(%d+)')
+  if theirs == ARGV[1] then
     outcome = 1
+  elseif ARGV[5] == '1' and theirs and (#theirs < #ARGV[1] or (#theirs == #ARGV[1] and theirs < ARGV[1])) then
+    outcome = 3
   elseif '=' .. current ~= ARGV[4] then
     return current
   end

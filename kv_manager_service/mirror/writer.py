@@ -122,7 +122,11 @@ class MirrorWriter:
         lease: Callable[[], Lease],
         options: MirrorOptions = MirrorOptions(),
         publisher: Publisher | None = None,
+        metrics: MirrorMetrics | None = None,
+        takeover: bool = False,
     ) -> None:
+        """`metrics`: figures to count on (a group's member keeps one set across its terms as primary).
+        `takeover`: a lease of a lower incarnation may be taken over (a group's new primary)."""
         self.client = client
         self.schema = schema
         self.replica_id = replica_id
@@ -131,7 +135,9 @@ class MirrorWriter:
         self.snapshot = snapshot
         self.lease = lease
         self.options = options
-        self.metrics = MirrorMetrics()
+        self.metrics = metrics or MirrorMetrics()
+        self.metrics.fenced = False
+        self._takeover = "1" if takeover else ""
         # The per-key work: in this thread, or in a process of its own (publisher_process.py).
         self.publisher = publisher or EntryPublisher(client, schema, replica_id, self.incarnation)
         self._next_sequence = 1
@@ -338,7 +344,7 @@ class MirrorWriter:
         lease_json = self.lease().to_json()
         replaceable = b""  # "=" + a malformed value read at the key: nobody's lease, so the claim may replace it
         for _ in range(2):
-            outcome = self._claim_lease(keys=[key], args=[self.incarnation, lease_json, ttl_ms, replaceable])
+            outcome = self._claim_lease(keys=[key], args=[self.incarnation, lease_json, ttl_ms, replaceable, self._takeover])
             if isinstance(outcome, int):
                 break
             other = Lease.parse(self.replica_id, outcome)

@@ -15,7 +15,11 @@ format 4 moves the records to their own package (`kvcache.journal.v1`, the
 same bytes) and adds a keyed step's fingerprint (journal_records.py).
 Files of formats 2 and 3 are read, then rewritten in format 4 (a compaction,
 even with compaction off) before anything is appended to them, so a file
-never mixes formats. A newer format is refused.
+never mixes formats. A newer format is refused. In a high-availability
+group (ha.py) each record also carries its number in the group's history
+and its fencing token, and the header names the member the journal makes
+(`member_id`); a format 4 file without one is rewritten with one before
+its next append.
 
 Compaction. The records since the last snapshot are replayed at every start,
 so once they pass `compact_bytes` and the size of the file's snapshot (so
@@ -63,6 +67,7 @@ import logging
 import os
 import struct
 import time
+import uuid
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -160,9 +165,15 @@ class Journal:
                     path, size - valid_bytes, valid_bytes, extra={"journal": str(path)},
                 )  # fmt: skip
                 os.ftruncate(fd, valid_bytes)
-            header = pb.JournalHeader(format_version=FORMAT_VERSION, replica_id=replica_id, pool=pool)
+            # Kept from the file: a member of a high-availability group is who its journal says.
+            member_id = records[0].header.member_id if records else ""
+            header = pb.JournalHeader(
+                format_version=FORMAT_VERSION, replica_id=replica_id, pool=pool, member_id=member_id or _new_member_id()
+            )
             snapshot_end = ends[1] if len(records) > 1 and records[1].WhichOneof("entry") == "snapshot" else 0
             file_format = records[0].header.format_version if records else FORMAT_VERSION
+            if records and not member_id:
+                file_format = min(file_format, FORMAT_VERSION - 1)  # rewritten with its member id before an append
             journal = cls(
                 path, fd, lock_fd, fsync, records[1:], header, compact_bytes, valid_bytes, snapshot_end, file_format
             )  # fmt: skip
@@ -183,9 +194,19 @@ class Journal:
                 os.close(lock_fd)
             raise
 
+    @property
+    def member_id(self) -> str:
+        """Who this journal's manager is in a high-availability group: made when the journal was, and
+        kept by compaction, so a restart from the journal is the same member and an empty start is not."""
+        return self.header.member_id
+
     def append(self, record: pb.JournalRecord) -> None:
         """Write one record; with fsync="always", force it to disk before returning."""
-        frame = _frame(record)
+        self.append_serialized(record.SerializeToString())
+
+    def append_serialized(self, payload: bytes) -> None:
+        """`append` of a record already serialized (a high-availability group's, sent as they are)."""
+        frame = _frame_payload(payload)
         _write(self.fd, frame, self.path)
         if self.fsync:
             os.fsync(self.fd)
@@ -199,18 +220,19 @@ class Journal:
             return True
         return self.compact_bytes > 0 and self.num_bytes - self.snapshot_end >= self._compact_after
 
-    def compact(self, snapshot: pb.JournalSnapshot) -> bool:
+    def compact(self, snapshot: pb.JournalSnapshot, seq: int = 0, token: int = 0) -> bool:
         """Replace the file by its header and `snapshot`, atomically (see the module docstring); appends
         go on in the new file. The caller holds the state still: `snapshot` is all it has journaled.
 
         Returns False, the journal unchanged, when the new file cannot be written; raises OSError
         when the directory cannot be synced after the rename (the new file may not outlive a power loss).
+        `seq` and `token`: those of the last record the snapshot includes, in a high-availability group.
         """
         started = time.perf_counter()
         temp = self.path.with_name(self.path.name + COMPACTING_SUFFIX)
         header = pb.JournalHeader(snapshot_follows=True)
         header.MergeFrom(self.header)
-        frames = _frame(pb.JournalRecord(header=header)) + _frame(pb.JournalRecord(snapshot=snapshot))
+        frames = _frame(pb.JournalRecord(header=header)) + _frame(pb.JournalRecord(snapshot=snapshot, seq=seq, token=token))
         fd = -1
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
@@ -258,6 +280,10 @@ class Journal:
         self.close()
 
 
+def _new_member_id() -> str:
+    return uuid.uuid4().hex
+
+
 def _lock(path: Path) -> int:
     """The descriptor of `<path>.lock`, locked exclusively and holding this process's pid.
 
@@ -290,7 +316,10 @@ def _lock(path: Path) -> int:
 
 
 def _frame(record: pb.JournalRecord) -> bytes:
-    payload = record.SerializeToString()
+    return _frame_payload(record.SerializeToString())
+
+
+def _frame_payload(payload: bytes) -> bytes:
     length_and_crc = struct.pack("<II", len(payload), zlib.crc32(payload))
     return length_and_crc + struct.pack("<I", zlib.crc32(length_and_crc)) + payload
 

@@ -19,7 +19,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,14 +46,17 @@ from kv_manager_service.server.memory_budget import (
     estimate_memory,
 )
 from kv_manager_service.server.replica import Replica
+from kv_manager_service.server.ha_options import HAOptions
 from kv_manager_service.server.retention import ServiceLimits
+from kv_manager_service.shared.errors import NotPrimaryError
 from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
 from kv_manager_service.server.tenancy import Tenancy
 from kvcache.v1 import kv_manager_pb2 as pb
 
 if TYPE_CHECKING:  # the mirror needs the optional redis package
     from kv_manager_service.mirror.lookup import ClusterIndex
-    from kv_manager_service.mirror.writer import MirrorWriter
+    from kv_manager_service.mirror.writer import MirrorMetrics, MirrorWriter
+    from kv_manager_service.server.ha import GroupMember
 
 log = logging.getLogger("kv_manager_service.server.process")
 
@@ -112,6 +115,9 @@ class ServerOptions:
     tenant_quota_blocks: int | None = None  # a tenant's quota unless its token entry sets one; None: no quota
     redis_tls_ca: Path | None = None  # CA that signed Redis's certificate (rediss:// URLs)
     redis_password: str | None = field(default=None, repr=False)  # Redis AUTH, instead of one in the URL
+    ha_url: str | None = None  # a high-availability group's Redis (ha.py); None: this manager serves alone
+    advertise_address: str | None = None  # HOST:PORT others reach this manager at; None: host and the bound port
+    ha: HAOptions = HAOptions()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -142,6 +148,28 @@ class ServerOptions:
         if not 1 <= self.cluster_lookup_timeout_ms <= 60_000:
             raise ValueError(f"--cluster-lookup-timeout-ms must be in 1..60000, got {self.cluster_lookup_timeout_ms}")
         self._check_security()
+        self._check_ha()
+
+    def _check_ha(self) -> None:
+        if self.advertise_address is not None:
+            host, _, port = self.advertise_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535 or " " in self.advertise_address:
+                raise ValueError(f"--advertise-address must be HOST:PORT, got {self.advertise_address!r}")
+        if self.ha_url is None:
+            return
+        if not self.ha_url.startswith(("redis://", "rediss://")):
+            raise ValueError(f"--ha-url must be a redis:// or rediss:// URL, got {_redact(self.ha_url)!r}")
+        unsupported = [
+            flag for flag, used in (
+                ("--auth-token-file", self.tokens is not None), ("--tls-cert", self.tls is not None),
+                ("--multi-tenant", self.multi_tenant),
+            ) if used
+        ]  # fmt: skip
+        if unsupported:
+            raise ValueError(
+                f"--ha-url does not support {', '.join(unsupported)} yet: the members' replication would "
+                "travel unauthenticated; run the group on a trusted network without them"
+            )
 
     def metrics_access(self) -> MetricsAccess:
         """Who may read /metrics: the RPCs' TLS, operator tokens or a scrape token (shared/metrics_endpoint.py)."""
@@ -191,6 +219,7 @@ class RunningServer:
     mirror: MirrorWriter | None = None  # None: no --redis-url
     metrics: MetricsServer | None = None  # None: no --metrics-port
     worker_expiry: WorkerExpiry | None = None  # None: not started yet
+    member: GroupMember | None = None  # None: no --ha-url
 
     @property
     def metrics_address(self) -> str | None:
@@ -207,6 +236,8 @@ class RunningServer:
         refuses any later one). Then the mirror drops its lease, /metrics
         closes, and the journal closes.
         """
+        if self.member is not None:  # first: a standby takes over while this one drains
+            self.member.stop()
         if self.worker_expiry is not None:
             self.worker_expiry.stop()
         self.loop.run(self.health.enter_graceful_shutdown())
@@ -285,6 +316,8 @@ class WorkerExpiry:
         while not self._stopped.wait(period_s):
             try:
                 replica.expire_workers()
+            except NotPrimaryError:
+                pass  # a group's standby: its primary expires workers
             except Exception:
                 log.exception("bug in the worker expiry")
 
@@ -362,16 +395,20 @@ def _start(
 ) -> RunningServer:
     """Bind, add the services, the mirror and /metrics, and start serving."""
     port = listen(server, options.host, options.port, options.tls.credentials() if options.tls else None)
-    address = f"{options.host}:{port}"
-    mirror, cluster = _mirror(replica, address, config, options) if options.redis_url else (None, None)
-    mirror_metrics = mirror.metrics if mirror is not None else None
-    servicer = KVManagerServicer(replica, options.tokens, cluster, mirror_metrics, pool)
+    address = options.advertise_address or f"{options.host}:{port}"
+    new_writer, cluster, mirror_metrics = _mirror(replica, address, config, options) if options.redis_url else (None,) * 3
+    member = _member(replica, address, options, pool, loop) if options.ha_url else None
+    servicer = KVManagerServicer(replica, options.tokens, cluster, mirror_metrics, pool, member)
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    if member is not None:
+        from kv_manager_service.server.replication import ReplicationServicer
+        from kvcache.replication.v1 import replication_pb2_grpc
+
+        replication_pb2_grpc.add_ReplicationServiceServicer_to_server(ReplicationServicer(member), server)
+    reflection.enable_server_reflection(services, server)
     metrics = None
     if registry is not None:
         registry.register(ManagerCollector(replica, mirror_metrics, cluster))
@@ -383,32 +420,79 @@ def _start(
             raise PortUnavailableError(str(error)) from None
         readers = metrics.access.describe()
         log.info("metrics at %s, read with %s", metrics.url, readers, extra={"metrics_url": metrics.url})
-    loop.run(server.start())
-    for name in ("", SERVICE_NAME):
-        loop.run(health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING))
-    if mirror is not None:  # started after SERVING is said, so a thread's death is never said over
+    running = RunningServer(
+        server, loop, pool, replica, servicer, health_servicer, address, None, metrics, member=member
+    )
 
+    def set_health(status: int, names: tuple[str, ...] = (SERVICE_NAME,)) -> None:
+        for name in names:
+            loop.run(health_servicer.set(name, status))
+
+    def start_mirror(takeover: bool) -> None:
+        # Started after SERVING is said, so a thread's death is never said over.
         def mirror_thread_died(thread_name: str, error: BaseException) -> None:
             log.critical("the mirror's thread %s died: health checks answer NOT_SERVING from now on", thread_name)
-            for name in ("", SERVICE_NAME):
-                loop.run(health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING))
+            set_health(health_pb2.HealthCheckResponse.NOT_SERVING, ("", SERVICE_NAME))
 
-        mirror.on_thread_death = mirror_thread_died
-        mirror.start()
-        log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), mirror.schema.namespace)
-    return RunningServer(
-        server, loop, pool, replica, servicer, health_servicer, address, mirror, metrics, WorkerExpiry(replica)
-    )
+        writer = new_writer(takeover)
+        writer.on_thread_death = mirror_thread_died
+        writer.start()
+        running.mirror = writer
+        log.info("mirroring the prefix index to %s under %s", _redact(options.redis_url), writer.schema.namespace)
+
+    loop.run(server.start())
+    set_health(health_pb2.HealthCheckResponse.SERVING, ("",))
+    if member is None:
+        set_health(health_pb2.HealthCheckResponse.SERVING)
+        if new_writer is not None:
+            start_mirror(takeover=False)
+    else:
+        set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        def on_serving(serving: bool) -> None:
+            if serving:
+                replica.incarnation = member.token  # the mirror's entries name the leadership's token
+                set_health(health_pb2.HealthCheckResponse.SERVING)
+                if new_writer is not None:
+                    start_mirror(takeover=True)
+                return
+            set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            if running.mirror is not None:
+                running.mirror.stop()
+                running.mirror = None
+
+        member.on_serving = on_serving
+        member.start()
+    running.worker_expiry = WorkerExpiry(replica)
+    return running
+
+
+def _member(
+    replica: Replica, address: str, options: ServerOptions, pool: futures.ThreadPoolExecutor, loop: EventLoopThread
+) -> GroupMember:
+    """This manager as a member of its high-availability group (not started: a standby until it leads)."""
+    from kv_manager_service.mirror.connect import RedisEndpoint, connect
+    from kv_manager_service.server.ha import GroupMember
+
+    client = connect(RedisEndpoint(options.ha_url, options.redis_cluster, timeout_s=options.ha.lease_s / 4))
+    log.info("high availability: member of replica %s's group in %s, at %s",
+             replica.replica_id, _redact(options.ha_url), address)  # fmt: skip
+    return GroupMember(
+        replica, client, address, options.ha, pool, loop.loop,
+        channel=lambda target: grpc.insecure_channel(target), on_serving=lambda serving: None,
+    )  # fmt: skip
 
 
 def _mirror(
     replica: Replica, address: str, config: KVCacheConfig, options: ServerOptions
-) -> tuple[MirrorWriter, ClusterIndex]:
-    """The Redis mirror's writer (not started, its lease claimed) and the cluster lookup.
+) -> tuple[Callable[[bool], MirrorWriter], ClusterIndex, MirrorMetrics]:
+    """What makes the Redis mirror's writer (not started, its lease claimed), the cluster lookup, and
+    the writers' figures. `new_writer(takeover)`: see MirrorWriter.
 
-    Raises ReplicaIdInUseError when another live manager holds the replica
-    id's lease. Redis may be down now: the writer claims and retries in the
-    background."""
+    The writer's making raises ReplicaIdInUseError when another live manager
+    holds the replica id's lease (unless it takes over a lower incarnation's:
+    a group's new primary). Redis may be down then: the writer claims and
+    retries in the background."""
     try:
         import redis  # noqa: F401 - only to say what is missing
     except ImportError as e:
@@ -418,7 +502,7 @@ def _mirror(
     from kv_manager_service.mirror.lookup import ClusterIndex
     from kv_manager_service.mirror.publisher_process import PublisherProcess
     from kv_manager_service.mirror.schema import KeySchema
-    from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
+    from kv_manager_service.mirror.writer import MirrorMetrics, MirrorOptions, MirrorWriter
 
     # Short timeouts: a slow Redis must not hold a lookup or the writer for long.
     endpoint = RedisEndpoint(
@@ -435,27 +519,38 @@ def _mirror(
     lookup_client = connect(dataclasses.replace(endpoint, timeout_s=budget_s))
     log.info("the mirror's Redis at %s: %s", _redact(options.redis_url), topology(client))
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
-    publisher = None  # "thread": the writer's own, on its client
-    if options.redis_writer == "process":
-        publisher = PublisherProcess(
-            endpoint, schema, replica.replica_id, str(replica.incarnation), options.redis_writer_timeout_s
+
+    metrics = MirrorMetrics()
+
+    def new_writer(takeover: bool) -> MirrorWriter:
+        publisher = None  # "thread": the writer's own, on its client
+        if options.redis_writer == "process":
+            publisher = PublisherProcess(
+                endpoint, schema, replica.replica_id, str(replica.incarnation), options.redis_writer_timeout_s
+            )
+        writer = MirrorWriter(
+            client,
+            schema,
+            replica.replica_id,
+            replica.incarnation,
+            replica.events,
+            replica.cached_set,
+            lambda: replica.lease(address),
+            MirrorOptions(
+                lease_ttl_s=options.lease_ttl_s,
+                collector=CollectorOptions(options.redis_collect_interval_s, options.redis_collect_after_s),
+            ),
+            publisher,
+            metrics,
+            takeover,
         )
-    writer = MirrorWriter(
-        client,
-        schema,
-        replica.replica_id,
-        replica.incarnation,
-        replica.events,
-        replica.cached_set,
-        lambda: replica.lease(address),
-        MirrorOptions(
-            lease_ttl_s=options.lease_ttl_s,
-            collector=CollectorOptions(options.redis_collect_interval_s, options.redis_collect_after_s),
-        ),
-        publisher,
-    )
-    writer.claim_at_start()
-    return writer, ClusterIndex(lookup_client, schema)
+        writer.claim_at_start()
+        return writer
+
+    if not options.ha_url:  # claimed before the server serves: a replica id in use stops the start
+        writer = new_writer(False)
+        return (lambda takeover: writer), ClusterIndex(lookup_client, schema), metrics
+    return new_writer, ClusterIndex(lookup_client, schema), metrics
 
 
 def pool_description(config: KVCacheConfig) -> str:

@@ -64,6 +64,7 @@ from kv_manager_service.mirror.schema import CachedSet, Lease
 from kv_manager_service.server import journal_records
 from kv_manager_service.server.idempotency import StepKey, StepKeys
 from kv_manager_service.server.journal import Journal
+from kvcache.journal.v1 import journal_pb2 as jpb
 from kv_manager_service.server.journal_records import (
     Entry,
     MissingKVReported,
@@ -157,9 +158,20 @@ class Replica:
         self._on_journal_failure = on_journal_failure
         self._closed = False
         self._stats = (manager.stats(), 0, 0, manager.host_tier_stats())
+        # In a high-availability group (ha.py): the records numbered and stamped with the fencing
+        # token of the primary that accepted them, for the standbys (`enable_history`).
+        self.history: BroadcastLog[bytes] | None = None
+        self.last_seq = 0  # the last record's number (counted without a group too, from the journal)
+        self.last_record_token = 0  # the fencing token of that record
+        self.token = 0  # the highest fencing token this replica has seen: records it accepts carry it
+        # Set on a member that is not the serving primary: raises NotPrimaryError, so mutations are refused.
+        self.primary_check: Callable[[], None] | None = None
+        self._applying = False  # replaying or applying another's records: nothing is journaled or refused
         self.journal: Journal | None = None
         if journal is not None:
-            self._replay([journal_records.decode(record) for record in journal.records])
+            with self._applied():
+                for record in journal.records:
+                    self._apply_record(record)
             self.workers.renew_all(time.monotonic())  # the journal's workers had no chance to call
             self._publish_stats()
         self.journal = journal
@@ -179,10 +191,13 @@ class Replica:
 
     @contextmanager
     def mutating(self) -> Iterator[None]:
-        """Hold the lock around a mutation; with `check_invariants`, check the core as it ends."""
+        """Hold the lock around a mutation; with `check_invariants`, check the core as it ends.
+        A member that is not the serving primary refuses it (`primary_check`), changing nothing."""
         with self.lock:
             if self._closed:
                 raise ShuttingDownError("the manager is shutting down; retry after its restart, or on another replica")
+            if self.primary_check is not None and not self._applying:
+                self.primary_check()
             self._compact_if_due()
             try:
                 yield
@@ -225,8 +240,7 @@ class Replica:
                 result = manager.step(ops, decode=decode)
             else:
                 result = self.tenancy.step(manager, ops, decode)
-            if self.journal is not None:
-                self._journal(StepApplied(ops, decode, key))
+            self._journal(StepApplied(ops, decode, key))
             self.steps.append(result.delta)
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
             self._publish_events()
@@ -412,15 +426,28 @@ class Replica:
             self.tenancy.ack(self.manager, step_id)  # credits each tenant with its copies' blocks
 
     def _journal(self, entry: Entry) -> None:
-        """Write an accepted mutation to the journal. Holds the lock."""
-        if self.journal is None:
+        """Record an accepted mutation: in the journal, and in a group's history with the next number
+        and this replica's token. Holds the lock."""
+        if self._applying or (self.journal is None and self.history is None):
             return
-        try:
-            self.journal.append(journal_records.encode(entry))
-        except OSError as error:
-            if self._on_journal_failure is None:
-                raise
-            self._on_journal_failure(self.journal, error)
+        record = journal_records.encode(entry)
+        self.last_seq += 1
+        if self.history is not None:
+            record.seq = self.last_seq
+            record.token = self.last_record_token = self.token
+        self._record(record.SerializeToString())
+
+    def _record(self, payload: bytes) -> None:
+        """Append one serialized record to the journal and the history. Holds the lock."""
+        if self.journal is not None:
+            try:
+                self.journal.append_serialized(payload)
+            except OSError as error:
+                if self._on_journal_failure is None:
+                    raise
+                self._on_journal_failure(self.journal, error)
+        if self.history is not None:
+            self.history.append(payload)
 
     def _compact_if_due(self) -> None:
         """Between two mutations (the lock held, the last one complete): restart the journal from a
@@ -430,14 +457,88 @@ class Replica:
         if journal is None or not journal.compaction_due():
             return
         try:
-            journal.compact(take_snapshot(self))
+            journal.compact(take_snapshot(self), self.last_seq, self.last_record_token)
         except OSError as error:
             if self._on_journal_failure is None:
                 raise
             self._on_journal_failure(journal, error)
 
+    # -- a group's records ---------------------------------------------------------
+
+    def enable_history(self, retention: int, retention_bytes: int) -> None:
+        """Keep the records from here on, numbered and stamped, for a group's standbys (ha.py)."""
+        with self.lock:
+            self.history = BroadcastLog(retention, retention_bytes, len)
+            self.history.start_after(self.last_seq)
+
+    @contextmanager
+    def _applied(self) -> Iterator[None]:
+        """Apply records another accepted (or the journal holds): journal nothing, refuse nothing."""
+        self._applying = True
+        try:
+            yield
+        finally:
+            self._applying = False
+
+    def apply_records(self, payloads: Sequence[bytes]) -> None:
+        """A standby applies its primary's serialized records, in order, and records them as they are.
+
+        Each must follow this replica's last record (`last_seq` + 1), or be a snapshot, which
+        replaces the whole state (a standby that could not follow the primary's history from
+        where it stood). ReplicationError, nothing more applied, for a record that does neither
+        or carries an older token than the last.
+        """
+        with self.lock:
+            try:
+                for payload in payloads:
+                    record = jpb.JournalRecord.FromString(payload)
+                    is_snapshot = record.WhichOneof("entry") == "snapshot"
+                    if record.token < self.last_record_token or not (is_snapshot or record.seq == self.last_seq + 1):
+                        raise ReplicationError(
+                            f"record {record.seq} of token {record.token} does not follow record {self.last_seq} "
+                            f"of token {self.last_record_token}"
+                        )
+                    if is_snapshot:
+                        self._start_over(record)
+                    else:
+                        with self._applied():
+                            self._apply_record(record)
+                        self._record(payload)
+            finally:
+                if self.check_invariants:
+                    self.manager.check_invariants()
+                self._publish_stats()
+
+    def _start_over(self, record: jpb.JournalRecord) -> None:
+        """Replace the whole state by a snapshot record's, and the journal by it. Holds the lock."""
+        assert self.tenancy is None, "a group's members are not multi-tenant"
+        old_steps, old_events = self.steps, self.events
+        self.manager = KVCacheManager(self.manager.config)
+        self.workers = WorkerRegistry(self.workers.timeout_s)
+        self.step_keys = StepKeys(self.limits.idempotency_retention, self.limits.idempotency_retention_bytes)
+        self.steps = BroadcastLog(old_steps.capacity, old_steps.max_bytes, logged_delta_bytes)
+        self.events = BroadcastLog(old_events.capacity, old_events.max_bytes, logged_event_bytes)
+        old_steps.close()
+        old_events.close()
+        with self._applied():
+            self._apply_record(record)
+        if self.history is not None:
+            self.history.close()
+            self.history = BroadcastLog(self.history.capacity, self.history.max_bytes, len)
+            self.history.start_after(record.seq)
+        if self.journal is not None:
+            self.journal.compact(record.snapshot, record.seq, record.token)
+
+    def _apply_record(self, record: jpb.JournalRecord) -> None:
+        """Apply one journal record (header excluded), with its number and token when it has them."""
+        self._replay([journal_records.decode(record)])
+        self.last_seq = record.seq or self.last_seq + 1  # a record of no group: the next
+        if record.token:
+            self.last_record_token = record.token
+            self.token = max(self.token, record.token)
+
     def _replay(self, entries: Sequence[Entry]) -> None:
-        """Replay a journal's entries (header excluded) into this fresh replica, in order."""
+        """Replay a journal's entries (header excluded) into this replica, in order."""
         for entry in entries:
             kind = type(entry)
             if kind is StepApplied:
@@ -537,6 +638,10 @@ class Replica:
         """What the mirror advertises about this replica, serving at `address`."""
         stats = self.manager.stats()
         return Lease(self.replica_id, self.incarnation, address, stats.num_requests, stats.usage, stats.num_free_blocks)
+
+
+class ReplicationError(ValueError):
+    """A group's record that cannot be applied here: the standby must start over from a snapshot."""
 
 
 def check_retained(log: BroadcastLog, first: int, field: str, hint: str) -> None:

@@ -48,7 +48,8 @@ from kv_manager_service.server.replica import Replica, check_retained
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:  # the mirror needs the optional redis package
+if TYPE_CHECKING:  # the mirror and the group need the optional redis package
+    from kv_manager_service.server.ha import GroupMember
     from kv_manager_service.mirror.lookup import ClusterIndex
     from kv_manager_service.mirror.writer import MirrorMetrics
 
@@ -72,10 +73,15 @@ def is_small(request: Message) -> bool:
     return request.ByteSize() <= INLINE_MAX_REQUEST_BYTES
 
 
-def _unary(inline: Callable[[Message], bool] = is_small) -> Callable[[Callable[..., Response]], Callable[..., Response]]:
+def _unary(
+    inline: Callable[[Message], bool] = is_small, mutates: bool = False
+) -> Callable[[Callable[..., Response]], Callable[..., Response]]:
     """Make a handler a coroutine that maps caller mistakes to their statuses (anything else is a bug:
     INTERNAL). A plain handler runs on the event loop when `inline(request)` and the replica's lock is
-    free at once, and in the thread pool otherwise: the loop never waits for the lock."""
+    free at once, and in the thread pool otherwise: the loop never waits for the lock.
+
+    In a high-availability group, a handler that `mutates` answers once what it did is committed
+    (held by the in-sync standbys), and only while this member still serves (ha.py)."""
 
     def decorate(method: Callable[..., Response]) -> Callable[..., Response]:
         if inspect.iscoroutinefunction(method):
@@ -95,10 +101,14 @@ def _unary(inline: Callable[[Message], bool] = is_small) -> Callable[[Callable[.
                 lock = self.replica.lock
                 if inline(request) and lock.acquire(blocking=False):
                     try:
-                        return method(self, request, context)
+                        response = method(self, request, context)
                     finally:
                         lock.release()
-                return await self._off_loop(method, self, request, context)
+                else:
+                    response = await self._off_loop(method, self, request, context)
+                if mutates and self.member is not None and response is not None:
+                    await self.member.committed()
+                return response
             except Exception as error:
                 self._end_failed(method.__name__, request, error, context)
 
@@ -115,11 +125,14 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
         cluster: ClusterIndex | None = None,
         mirror_metrics: MirrorMetrics | None = None,
         pool: Executor | None = None,
+        member: GroupMember | None = None,
     ) -> None:
         """`auth`: who may call (None: everyone may call everything). `cluster` answers cluster
         lookups from the Redis mirror, whose writer's figures `mirror_metrics` are (None: no mirror).
-        `pool`: the server's thread pool, for the work of coroutine handlers that may wait for the lock."""
+        `pool`: the server's thread pool, for the work of coroutine handlers that may wait for the lock.
+        `member`: this manager's part in its high-availability group (None: it serves alone)."""
         self.replica = replica
+        self.member = member
         self.pool = pool
         self._events_sent: dict[int, bytes] = {}  # sequence -> serialized KVEvent, the newest SERIALIZED_KEPT
         self._deltas_sent: dict[int, bytes] = {}  # step id -> serialized StepDelta, the newest SERIALIZED_KEPT
@@ -169,23 +182,23 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             error.field = _wire_field(error, 1, unary=True)
             raise
 
-    @_unary()
+    @_unary(mutates=True)
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._scope(request, context)
         return wire.allocate_response(self._step([wire.allocate_op(request)]))
 
-    @_unary()
+    @_unary(mutates=True)
     def Free(self, request: pb.FreeRequest, context: grpc.ServicerContext) -> pb.FreeResponse:
         self._scope(request, context)
         result = self._step([wire.free_op(request)])
         return pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id)
 
-    @_unary()
+    @_unary(mutates=True)
     def Fork(self, request: pb.ForkRequest, context: grpc.ServicerContext) -> pb.ForkResponse:
         self._scope(request, context)
         return pb.ForkResponse(step_id=self._step([wire.fork_op(request)]).step_id)
 
-    @_unary()
+    @_unary(mutates=True)
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         tenant = self._scope(request, context)
         ops, decode = wire.step_ops(request)
@@ -199,12 +212,12 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             self.tenancy.unscope_lost_requests(tenant, response)
         return response
 
-    @_unary()
+    @_unary(mutates=True)
     def AckSteps(self, request: pb.AckStepsRequest, context: grpc.ServicerContext) -> pb.AckStepsResponse:
         self.replica.ack(request.worker_id, request.step_id)
         return pb.AckStepsResponse()
 
-    @_unary()
+    @_unary(mutates=True)
     def ReportMissingKV(
         self, request: pb.ReportMissingKVRequest, context: grpc.ServicerContext
     ) -> pb.ReportMissingKVResponse:
@@ -214,14 +227,14 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
             num_lost_requests=len(invalidation.lost_request_ids),
         )
 
-    @_unary()
+    @_unary(mutates=True)
     def UnregisterWorker(
         self, request: pb.UnregisterWorkerRequest, context: grpc.ServicerContext
     ) -> pb.UnregisterWorkerResponse:
         self.replica.unregister_worker(request.worker_id)
         return pb.UnregisterWorkerResponse()
 
-    @_unary()
+    @_unary(mutates=True)
     def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: grpc.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
@@ -340,9 +353,14 @@ class KVManagerServicer(pb_grpc.KVManagerServiceServicer):
                 self.replica.open_worker_stream, request.worker_id, request.from_step_id, request.incarnation
             )
             try:
+                member = self.member
+                if member is not None:
+                    await member.committed()  # the registration, before the worker hears of it
                 # Headers now, before any step: the worker learns it is registered (see WatchSteps).
                 await context.send_initial_metadata(((FIRST_STEP_ID_HEADER, str(first)),))
                 async for batch in _follow(self.replica.steps, first, "from_step_id"):
+                    if member is not None:
+                        await member.committed()  # a worker never does a step a new primary may not hold
                     for step_id, delta in batch:
                         yield self._serialized_delta(step_id, delta)
             finally:

@@ -93,3 +93,14 @@ class ShuttingDownError(KVCacheError):
     """The server is stopping and takes no more mutations (UNAVAILABLE: retry, here after the restart or elsewhere)."""
 
     reason = "SHUTTING_DOWN"
+
+
+class NotPrimaryError(KVCacheError):
+    """This manager is a standby of a high-availability group (or a primary that lost its lease): it
+    changes nothing. UNAVAILABLE; `primary` is the primary's advertised address, None while none is known."""
+
+    reason = "NOT_PRIMARY"
+
+    def __init__(self, message: str, primary: str | None = None) -> None:
+        super().__init__(message)
+        self.primary = primary

@@ -3,7 +3,9 @@
 A rejected call ends with the mapped status code and a `google.rpc.ErrorInfo`
 in the status details (`reason`, domain `kvcache.v1`, metadata `field`). The
 same reason and field are also sent as trailing metadata (`kvcache-reason`,
-`kvcache-field`) for clients without the rich-status helpers.
+`kvcache-field`) for clients without the rich-status helpers. A standby's
+NOT_PRIMARY also names the primary, when it knows one: ErrorInfo metadata
+`primary` and trailing metadata `kvcache-primary`, both its HOST:PORT.
 
 The message travels twice in the trailing metadata (the status details and
 `grpc-message`), whose size gRPC clients cap (8 KiB by default): past it the
@@ -26,6 +28,7 @@ from kv_manager_service.shared.errors import (
     InvalidArgumentError,
     KVCacheError,
     KVMissingError,
+    NotPrimaryError,
     OutOfRangeError,
     PermissionDeniedError,
     RequestExistsError,
@@ -37,6 +40,7 @@ from kv_manager_service.shared.errors import (
 
 ERROR_DOMAIN = "kvcache.v1"
 MAX_STATUS_MESSAGE_BYTES = 1024
+PRIMARY_HEADER = "kvcache-primary"  # NOT_PRIMARY's trailing metadata: the primary's address, when known
 
 
 
@@ -50,6 +54,7 @@ STATUS_CODES: dict[type[KVCacheError], grpc.StatusCode] = {
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     ShuttingDownError: grpc.StatusCode.UNAVAILABLE,
+    NotPrimaryError: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -84,11 +89,16 @@ def _status(error: KVCacheError) -> grpc.Status:
         info.metadata["field"] = error.field
     if isinstance(error, KVMissingError):
         info.metadata["request_ids"] = request_ids_metadata(error.request_ids)
+    primary = error.primary if isinstance(error, NotPrimaryError) else None
+    if primary:
+        info.metadata["primary"] = primary
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(code=getattr(code_pb2, code.name), message=short_message(str(error)), details=[detail])
     rich = rpc_status.to_status(status)
     metadata = tuple(rich.trailing_metadata) + (("kvcache-reason", error.reason), ("kvcache-field", error.field or ""))
+    if primary:
+        metadata += ((PRIMARY_HEADER, primary),)
     return _Status(rich.code, rich.details, metadata)
 
 
