@@ -133,6 +133,17 @@ def make_parser() -> argparse.ArgumentParser:
         "the port really bound; set it when --host is 0.0.0.0)",
     )  # fmt: skip
     ha.add_argument(
+        "--ha-token-file", type=Path, metavar="FILE",
+        help="with --auth-token-file: the token this member follows the primary with (one line), whose entry in "
+        "the token file has role: member; the members' replication stream takes that role only",
+    )  # fmt: skip
+    ha.add_argument(
+        "--ha-tls-ca", type=Path, metavar="FILE", help="with --tls-cert: the CA that signed the other members' certificates"
+    )
+    ha.add_argument("--ha-tls-cert", type=Path, metavar="FILE", help="the client certificate this member presents to "
+                    "the others when they require one (--tls-ca)")  # fmt: skip
+    ha.add_argument("--ha-tls-key", type=Path, metavar="FILE", help="the private key of --ha-tls-cert")
+    ha.add_argument(
         "--ha-lease-ms", type=int, default=1200, metavar="MS",
         help="the primary's leadership lease: a failed primary is replaced within about this long; it renews "
         "it four times a lease, and stops accepting before it can lapse (default %(default)s)",
@@ -200,6 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_manager_service.shared.logs import configure_logging
     from kv_manager_service.shared.metrics_endpoint import load_scrape_token_file
     from kv_manager_service.server.ha_options import HAOptions
+    from kv_manager_service.shared import security
     from kv_manager_service.server.process import ServerOptions, serve
     from kv_manager_service.server.retention import ServiceLimits
 
@@ -243,6 +255,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ha_url=args.ha_url,
         advertise_address=args.advertise_address,
         ha=HAOptions(lease_s=args.ha_lease_ms / 1000, sync_timeout_s=args.ha_sync_timeout_ms / 1000),
+        ha_token=security.read_token_file(args.ha_token_file) if args.ha_token_file else None,
+        ha_tls=security.client_tls(args.ha_tls_ca, args.ha_tls_cert, args.ha_tls_key),
         **security_options(args),
     )
     return serve(config, options)

@@ -36,7 +36,14 @@ from kv_manager_service.shared.parse_errors import ParseErrorInterceptor
 from kv_manager_service.shared.connections import connection_limit, connection_options
 from kv_manager_service.shared.ports import PortUnavailableError, check_port_free, listen
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
-from kv_manager_service.shared.security import BearerAuthInterceptor, ServerTLS, TokenTable
+from kv_manager_service.shared.security import (
+    BearerAuthInterceptor,
+    ClientTLS,
+    Role,
+    ServerTLS,
+    TokenTable,
+    client_channel,
+)
 from kv_manager_service.shared.termination import TerminationSignals
 from kv_manager_service.server.memory_budget import (
     MemoryEstimate,
@@ -75,6 +82,8 @@ OPERATOR_METHODS = frozenset(
         "ResetPrefixCache",
     )
 )
+# Calls for the member role only: the other managers of a high-availability group.
+MEMBER_METHODS = frozenset({"/kvcache.replication.v1.ReplicationService/Follow"})
 REDIS_CLUSTER_MODES = ("auto", "yes", "no")  # mirror.connect.CLUSTER_MODES, named here without importing redis
 REDIS_WRITERS = ("thread", "process")  # --redis-writer
 
@@ -118,6 +127,8 @@ class ServerOptions:
     ha_url: str | None = None  # a high-availability group's Redis (ha.py); None: this manager serves alone
     advertise_address: str | None = None  # HOST:PORT others reach this manager at; None: host and the bound port
     ha: HAOptions = HAOptions()
+    ha_token: str | None = field(default=None, repr=False)  # with --auth-token-file: a member-role token
+    ha_tls: ClientTLS | None = None  # with --tls-cert: how this member checks the others (and proves itself)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -159,17 +170,22 @@ class ServerOptions:
             return
         if not self.ha_url.startswith(("redis://", "rediss://")):
             raise ValueError(f"--ha-url must be a redis:// or rediss:// URL, got {_redact(self.ha_url)!r}")
-        unsupported = [
-            flag for flag, used in (
-                ("--auth-token-file", self.tokens is not None), ("--tls-cert", self.tls is not None),
-                ("--multi-tenant", self.multi_tenant),
-            ) if used
-        ]  # fmt: skip
-        if unsupported:
-            raise ValueError(
-                f"--ha-url does not support {', '.join(unsupported)} yet: the members' replication would "
-                "travel unauthenticated; run the group on a trusted network without them"
-            )
+        if self.multi_tenant:
+            raise ValueError("--ha-url does not support --multi-tenant yet: run a tenant's replica without a group")
+        if self.tokens is not None:
+            if self.ha_token is None:
+                raise ValueError("--ha-url with --auth-token-file needs --ha-token-file: the token this member "
+                                 "follows the primary with, one of the token file's entries with role: member")  # fmt: skip
+            caller = self.tokens.authenticate([("authorization", f"Bearer {self.ha_token}")])
+            if caller is None or caller.role is not Role.MEMBER:
+                raise ValueError("--ha-token-file's token must be an entry of --auth-token-file with role: member")
+        elif self.ha_token is not None:
+            raise ValueError("--ha-token-file needs --auth-token-file (the members check each other's token)")
+        if self.tls is not None and (self.ha_tls is None or self.ha_tls.ca_file is None):
+            raise ValueError("--ha-url with --tls-cert needs --ha-tls-ca: the CA that signed the other members' "
+                             "certificates (and --ha-tls-cert/--ha-tls-key when they require client certificates)")  # fmt: skip
+        if self.tls is None and self.ha_tls is not None:
+            raise ValueError("--ha-tls-ca, --ha-tls-cert and --ha-tls-key need --tls-cert (the members serve TLS)")
 
     def metrics_access(self) -> MetricsAccess:
         """Who may read /metrics: the RPCs' TLS, operator tokens or a scrape token (shared/metrics_endpoint.py)."""
@@ -351,7 +367,7 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
         interceptors.append(RpcMetricsInterceptor(SERVICE, registry, "kvcache"))
     if options.tokens is not None:
         # After the metrics (they count what it refuses), before the parser (a refused request is not parsed).
-        interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS))
+        interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS, member_methods=MEMBER_METHODS))
     interceptors.append(ParseErrorInterceptor())  # last, so the metrics count what it refuses
     loop = EventLoopThread("kv-rpc-loop")
     pool = futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc")
@@ -479,7 +495,7 @@ def _member(
              replica.replica_id, _redact(options.ha_url), address)  # fmt: skip
     return GroupMember(
         replica, client, address, options.ha, pool, loop.loop,
-        channel=lambda target: grpc.insecure_channel(target), on_serving=lambda serving: None,
+        channel=lambda target: client_channel(target, options.ha_tls, options.ha_token), on_serving=lambda serving: None,
     )  # fmt: skip
 
 

@@ -33,7 +33,9 @@ Roles. `tenant` (the default) may schedule: Allocate, Free, Fork, Step,
 FindCacheHit, GetBlockTables of named requests, GetConfig, GetStats.
 `operator` (the serving engine's infrastructure: GPU workers, routers,
 dashboards) may also call WatchSteps, AckSteps, ReportMissingKV, WatchEvents,
-ResetPrefixCache and GetBlockTables of all requests.
+ResetPrefixCache and GetBlockTables of all requests. `member` (the other
+managers of a high-availability group) may call the group's replication
+stream only, and only it may.
 
 The servicer learns who called with `TokenTable.caller(context)`, which reads
 the same metadata again (the interceptor has already accepted it).
@@ -73,6 +75,7 @@ HEALTH_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Hea
 class Role(str, enum.Enum):
     TENANT = "tenant"
     OPERATOR = "operator"
+    MEMBER = "member"
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ def load_token_file(path: Path) -> TokenTable:
             try:
                 role = Role(entry.get("role", Role.TENANT.value))
             except ValueError:
-                raise ValueError(f"{where}: role must be 'tenant' or 'operator'") from None
+                raise ValueError(f"{where}: role must be 'tenant', 'operator' or 'member'") from None
             quota = entry.get("quota_blocks")
             if quota is not None and (not isinstance(quota, int) or isinstance(quota, bool) or quota < 0):
                 raise ValueError(f"{where}: quota_blocks must be an integer >= 0")
@@ -295,7 +298,9 @@ class _CallDetails(
     pass
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor
+):
     """Adds `authorization: Bearer <token>` to every call of a channel (over TLS or not)."""
 
     def __init__(self, token: str) -> None:
@@ -313,6 +318,9 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 
     def intercept_unary_stream(self, continuation: Callable, details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation: Callable, details: grpc.ClientCallDetails, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 def client_channel(
@@ -335,8 +343,9 @@ def client_channel(
 
 
 class BearerAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without a valid bearer token (UNAUTHENTICATED), and tenants' calls to
-    `operator_methods` (PERMISSION_DENIED), before the handler runs.
+    """Refuses calls without a valid bearer token (UNAUTHENTICATED), tenants' calls to
+    `operator_methods`, and calls to `member_methods` by any other role than `member` or by a member
+    to any other method (PERMISSION_DENIED), before the handler runs.
 
     `open_methods` (full names, `/package.Service/Method`) pass without a token.
     An accepted call runs the service's own handler, untouched.
@@ -347,9 +356,11 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         tokens: TokenTable,
         operator_methods: Collection[str] = (),
         open_methods: Collection[str] = HEALTH_METHODS,
+        member_methods: Collection[str] = (),
     ) -> None:
         self.tokens = tokens
         self.operator_methods = frozenset(operator_methods)
+        self.member_methods = frozenset(member_methods)
         self.open_methods = frozenset(open_methods)
 
     def intercept_service(
@@ -364,6 +375,14 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         if principal is None:
             error = UnauthenticatedError(
                 "this call needs a valid bearer token (metadata 'authorization: Bearer <token>')"
+            )
+            return _rejection(continuation(handler_call_details), method, error)
+        if (method in self.member_methods) != (principal.role is Role.MEMBER):
+            name = method.rsplit("/", 1)[-1]
+            error = PermissionDeniedError(
+                f"{name} is for the member role; {principal.tenant!r} is not one"
+                if method in self.member_methods
+                else f"{principal.tenant!r} has the member role: it may only follow a group's primary, not call {name}"
             )
             return _rejection(continuation(handler_call_details), method, error)
         if method in self.operator_methods and not principal.is_operator:
@@ -388,6 +407,8 @@ def _rejection(handler: grpc.RpcMethodHandler | None, method: str, error: KVCach
         reject(request, context)
         yield from ()
 
+    if handler is not None and handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(reject_stream)
     if handler is not None and handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(reject_stream)
     return grpc.unary_unary_rpc_method_handler(reject)
