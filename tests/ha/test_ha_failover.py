@@ -139,3 +139,26 @@ def test_a_loaded_group_never_fails_over_by_itself(group: Group) -> None:
     assert promotions == [primary], f"{len(promotions)} promotions under load; {len(clients.acked)} Steps"
     assert "stepped down" not in primary.log() and "left the in-sync set" not in primary.log()
     print(f"no failover in {180 if THOROUGH else 15} s of load: {len(clients.acked)} keyed Steps acknowledged")
+
+
+def test_a_group_with_journals_survives_losing_every_member_at_once(group: Group, tmp_path) -> None:
+    """Every member SIGKILLed: restarted from their journals, the one Redis lists as in sync takes over
+    with every acknowledged Step, and the other rejoins it from where its own journal stands."""
+    journals = [tmp_path / "a.journal", tmp_path / "b.journal"]
+    group.start("--journal", str(journals[0]))
+    primary = group.primary()
+    standby = group.start("--journal", str(journals[1]))
+    group.wait_in_sync(standby, primary)
+    clients = KeyedClients(group, 2)
+    try:
+        clients.wait_for(60)
+    finally:
+        clients.stop()
+    primary.kill()
+    standby.kill()
+    restarted = [group.start("--journal", str(journal)) for journal in journals]
+    new_primary = group.primary(timeout_s=15)
+    (other,) = [m for m in restarted if m is not new_primary]
+    group.wait_in_sync(other, new_primary)
+    assert "after a snapshot" not in new_primary.log()  # the histories matched: the tail only
+    assert_history_replays(group, clients)
