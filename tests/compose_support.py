@@ -15,11 +15,12 @@ rewrites a command only where one machine must differ:
 |                                              | healthcheck probes its own container             |
 | a program on its default port (redis-server) | that port made explicit, bound to 127.0.0.1      |
 
-`SERVICE:P` covers `manager-a:50051`, `redis://redis:6379/0` and the demo's
-`manager-a:50051=worker-a:50061`. Flags are written `--flag VALUE`, as in the
-compose file. Everything else, the service's `environment:` included, stays as
-written; what a test changes on purpose (an output directory, a smaller
-workload) it changes with `with_flag`.
+`SERVICE:P` covers `manager-a:50051`, `redis://redis:6379/0`, the demo's
+`manager-a:50051=worker-a:50061` and a group's
+`ha-manager-a:50051,ha-manager-b:50051`. Flags are written `--flag VALUE`, as
+in the compose file. Everything else, the service's `environment:` included,
+stays as written; what a test changes on purpose (an output directory, a
+journal's path, a smaller workload) it changes with `with_flag`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import yaml
 
@@ -69,13 +70,16 @@ class Service:
     depends_on: Mapping[str, str]  # service -> condition
     healthcheck: tuple[str, ...] | None  # the exec-form test, without its leading "CMD"
     ports: tuple[PublishedPort, ...]
+    profiles: tuple[str, ...]  # empty: the service always starts
     raw: Mapping[str, Any]
 
 
-def load_services(path: Path) -> dict[str, Service]:
-    """The file's services, in file order (YAML anchors and merge keys resolved)."""
+def load_services(path: Path, profiles: Collection[str] = ()) -> dict[str, Service]:
+    """The file's services that `docker compose --profile P` for every P in `profiles` starts (those of no
+    profile, and those of one of `profiles`), in file order (YAML anchors and merge keys resolved)."""
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return {name: _service(name, body) for name, body in data["services"].items()}
+    services = {name: _service(name, body) for name, body in data["services"].items()}
+    return {name: s for name, s in services.items() if not s.profiles or set(s.profiles) & set(profiles)}
 
 
 def _service(name: str, body: Mapping[str, Any]) -> Service:
@@ -103,6 +107,7 @@ def _service(name: str, body: Mapping[str, Any]) -> Service:
         depends_on=depends_on,
         healthcheck=healthcheck,
         ports=tuple(_published_port(name, spec) for spec in body.get("ports", ())),
+        profiles=tuple(body.get("profiles", ())),
         raw=body,
     )
 

@@ -1,4 +1,5 @@
-"""docker-compose.yml, docker-compose.gpu.yml and docker-compose.cluster.yml, checked without a container engine.
+"""docker-compose.yml (its "ha" profile included), docker-compose.gpu.yml and docker-compose.cluster.yml,
+checked without a container engine.
 
 - Valid: `docker-compose config -q` accepts the file, and the GPU override on top of it.
 - Wired: every command parses with the project's own parsers; every HOST:PORT
@@ -14,6 +15,16 @@
   valid; it changes only the managers' --redis-url (and what they wait for);
   wired as above; and run the same way: six cluster nodes, the create job,
   both managers mirroring into the cluster and seeing each other's prefixes.
+- The "ha" profile (services of docker-compose.yml under `profiles: ["ha"]`):
+  valid; its services need nothing outside it; wired as above, and as one
+  group: one replica id, one witness that keeps its data, each member
+  advertising its own service name, the worker and the demo following both
+  members. Run the same way: both members start and exactly one becomes the
+  primary, the worker registers with it; the primary is SIGKILLed, the
+  standby takes over within a few seconds, the same worker process
+  re-registers with it, and the demo runs through the new primary; the
+  group restarted whole on the witness's data, the member that its in-sync
+  set names takes over again.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Sequence
 
+import grpc
 import pytest
 import redis
 import yaml
@@ -41,12 +54,13 @@ from compose_support import (
     start_order,
     with_flag,
 )
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from processes import launch, launch_until_ready, stop_all
 from redis.cluster import ClusterNode
 
 from gpu_worker.cli import build_parser
 from kv_manager_service.cli.main import make_parser
-from kv_manager_service.client import KVManagerClient
+from kv_manager_service.client import KVManagerClient, manager_addresses
 from kv_tooling.launch import LaunchedProcess, free_cluster_port
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from kv_manager_service.mirror.schema import KeySchema
@@ -55,15 +69,32 @@ from kvcache.v1 import kv_manager_pb2 as pb
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_FILE = ROOT / "docker-compose.gpu.yml"
 CLUSTER_FILE = ROOT / "docker-compose.cluster.yml"
+
+
+def running(services: dict[str, Service], *program: str) -> list[str]:
+    """The services whose command starts with `program`, in file order."""
+    return [n for n, s in services.items() if s.command[: len(program)] == program]
+
+
 SERVICES = load_services(COMPOSE_FILE)
-MANAGERS = [n for n, s in SERVICES.items() if s.command[:2] == ("kv-manager", "serve")]
-WORKERS = [n for n, s in SERVICES.items() if s.command[:1] == ("gpu-worker",)]
-DEMOS = [n for n, s in SERVICES.items() if s.command[:2] == ("kv-manager", "demo")]
-REDIS = [n for n, s in SERVICES.items() if s.command[:1] == ("redis-server",)]
+MANAGERS = running(SERVICES, "kv-manager", "serve")
+WORKERS = running(SERVICES, "gpu-worker")
+DEMOS = running(SERVICES, "kv-manager", "demo")
+REDIS = running(SERVICES, "redis-server")
+# `docker compose --profile ha` starts the services above and the group's.
+WITH_HA = load_services(COMPOSE_FILE, ["ha"])
+HA = {n: s for n, s in WITH_HA.items() if n not in SERVICES}
+HA_MANAGERS = running(HA, "kv-manager", "serve")
+HA_WORKERS = running(HA, "gpu-worker")
+HA_DEMOS = running(HA, "kv-manager", "demo")
+HA_REDIS = running(HA, "redis-server")
+PRIMARY_HEALTH_SERVICE = "kvcache.v1.KVManagerService"  # SERVING on a group's primary only
 
 LOCAL_REQUESTS = 12  # the compose file's demo replays 120: a few seconds' worth here
 READY_TIMEOUT_S = 30.0  # hang guards, not expectations
 DEMO_TIMEOUT_S = 900.0
+# A standby takes over within about one lease (1.2 s by default); the bound leaves room for a busy machine.
+FAILOVER_TIMEOUT_S = 5.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -87,10 +118,17 @@ def docker_compose(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "files", [[COMPOSE_FILE], [COMPOSE_FILE, GPU_FILE], [COMPOSE_FILE, CLUSTER_FILE]], ids=["cpu", "gpu", "cluster"]
+    "args",
+    [
+        ["-f", str(COMPOSE_FILE)],
+        ["-f", str(COMPOSE_FILE), "-f", str(GPU_FILE)],
+        ["-f", str(COMPOSE_FILE), "-f", str(CLUSTER_FILE)],
+        ["-f", str(COMPOSE_FILE), "--profile", "ha"],
+    ],
+    ids=["cpu", "gpu", "cluster", "ha"],
 )
-def test_compose_config_is_valid(files: list[Path]) -> None:
-    result = docker_compose(*[arg for path in files for arg in ("-f", str(path))], "config", "-q")
+def test_compose_config_is_valid(args: list[str]) -> None:
+    result = docker_compose(*args, "config", "-q")
     assert result.returncode == 0, result.stderr
 
 
@@ -123,13 +161,27 @@ def test_gpu_override_changes_only_device_and_backend() -> None:
         assert merged[name] == base[name], f"the GPU override changes {name}"
 
 
-def config_services(text: str) -> dict:
-    """The services of `docker-compose config`'s output, published ports sorted (merging reorders them)."""
+def config_services(text: str, profiles: Sequence[str] = ()) -> dict:
+    """The services of `docker-compose config`'s output that `profiles` start (docker-compose 1.x lists the
+    others too), published ports sorted (merging reorders them)."""
     services = yaml.safe_load(text)["services"]
     for service in services.values():
         if "ports" in service:
             service["ports"] = sorted(service["ports"])
-    return services
+    return {n: s for n, s in services.items() if not s.get("profiles") or set(s["profiles"]) & set(profiles)}
+
+
+def check_merges_as_compose_merges_it(args: list[str], services: dict[str, Service], profiles: Sequence[str]) -> None:
+    """`docker-compose ARGS config` has the services that `services` holds, with the same commands and
+    dependencies: what the tests read is what compose runs."""
+    result = docker_compose(*args, "config")
+    assert result.returncode == 0, result.stderr
+    merged = config_services(result.stdout, profiles)
+    assert merged.keys() == services.keys()
+    for name, service in services.items():
+        assert tuple(str(a) for a in merged[name].get("command", ())) == service.command, name
+        conditions = {d: spec["condition"] for d, spec in merged[name].get("depends_on", {}).items()}
+        assert conditions == dict(service.depends_on), name
 
 
 # -- wiring --------------------------------------------------------------------------
@@ -139,23 +191,31 @@ def test_the_expected_services_are_there() -> None:
     assert sorted(SERVICES) == ["demo", "manager-a", "manager-b", "redis", "worker-a", "worker-b"]
     assert (len(REDIS), len(MANAGERS), len(WORKERS), len(DEMOS)) == (1, 2, 2, 1)
     assert SERVICES[REDIS[0]].raw["image"].startswith("redis:7")
+    assert sorted(HA) == ["ha-demo", "ha-manager-a", "ha-manager-b", "ha-redis", "ha-worker"]
+    assert (len(HA_REDIS), len(HA_MANAGERS), len(HA_WORKERS), len(HA_DEMOS)) == (1, 2, 1, 1)
+    assert all(service.profiles == ("ha",) for service in HA.values())
 
 
-@pytest.mark.parametrize("name", MANAGERS + WORKERS + DEMOS)
+@pytest.mark.parametrize("name", MANAGERS + WORKERS + DEMOS + HA_MANAGERS + HA_WORKERS + HA_DEMOS)
 def test_command_parses_with_the_project_parser(name: str) -> None:
-    args = parse(SERVICES[name])
-    if name in WORKERS:
+    args = parse(WITH_HA[name])
+    if name in WORKERS + HA_WORKERS:
         assert (args.device, args.backend) == ("cpu", "torch")
-    if name in MANAGERS + WORKERS:
+    if name in MANAGERS + WORKERS + HA_MANAGERS + HA_WORKERS:
         assert args.host == "0.0.0.0", "a server in a container must listen beyond its loopback"
 
 
-def test_every_address_names_a_service_listening_there() -> None:
-    for name, service in SERVICES.items():
+# The default services, and the "ha" profile's alone (`docker compose up ha-worker` starts what it needs).
+SERVICE_SETS = pytest.mark.parametrize("services", [SERVICES, HA], ids=["default", "ha"])
+
+
+@SERVICE_SETS
+def test_every_address_names_a_service_listening_there(services: dict[str, Service]) -> None:
+    for name, service in services.items():
         for host, port in references(service.command):
-            assert host in SERVICES, f"{name} refers to {host}:{port}, which is not a service of the file"
-            assert port in listen_ports(SERVICES[host]), (
-                f"{name} refers to {host}:{port}; {host} listens on {listen_ports(SERVICES[host])}"
+            assert host in services, f"{name} refers to {host}:{port}, which is not a service of its set"
+            assert port in listen_ports(services[host]), (
+                f"{name} refers to {host}:{port}; {host} listens on {listen_ports(services[host])}"
             )
         for host, port in references(service.healthcheck or ()):
             assert host in ("127.0.0.1", "localhost"), f"{name}'s healthcheck probes {host}: it should probe itself"
@@ -164,16 +224,18 @@ def test_every_address_names_a_service_listening_there() -> None:
             )
 
 
-def test_a_service_waits_for_every_service_it_refers_to() -> None:
-    for name, service in SERVICES.items():
-        for host in {host for host, _ in references(service.command)}:
+@SERVICE_SETS
+def test_a_service_waits_for_every_service_it_refers_to(services: dict[str, Service]) -> None:
+    for name, service in services.items():
+        # A group member's --advertise-address names the member itself.
+        for host in {host for host, _ in references(service.command)} - {name}:
             assert service.depends_on.get(host) == "service_healthy", (
                 f"{name} refers to {host} without waiting for it to be healthy"
             )
-            assert SERVICES[host].healthcheck is not None, (
+            assert services[host].healthcheck is not None, (
                 f"{name} waits for {host} to be healthy, but {host} has no healthcheck"
             )
-    assert start_order(SERVICES)[-1] in DEMOS
+    assert start_order(services)[-1] in running(services, "kv-manager", "demo")
 
 
 def test_replicas_are_wired_pairwise() -> None:
@@ -196,7 +258,7 @@ def test_replicas_are_wired_pairwise() -> None:
 
 def test_published_ports_reach_a_listening_port_on_the_loopback() -> None:
     host_ports = []
-    for name, service in SERVICES.items():
+    for name, service in WITH_HA.items():
         for published in service.ports:
             assert published.container_port in listen_ports(service), (
                 f"{name} publishes {published.container_port}, not a port it listens on"
@@ -205,7 +267,7 @@ def test_published_ports_reach_a_listening_port_on_the_loopback() -> None:
                 f"{name} publishes port {published.host_port} beyond the host's loopback"
             )
             host_ports.append(published.host_port)
-        if name in MANAGERS + WORKERS:
+        if name in MANAGERS + WORKERS + HA_MANAGERS + HA_WORKERS:
             assert {p.container_port for p in service.ports} == set(listen_ports(service)), (
                 f"{name}: publish gRPC and metrics"
             )
@@ -290,7 +352,7 @@ def healthcheck(plan: LocalPlan, name: str) -> subprocess.CompletedProcess:
 
 
 def check_healthy(plan: LocalPlan, name: str) -> None:
-    if SERVICES[name].healthcheck is None:
+    if plan.services[name].healthcheck is None:
         return
     result = healthcheck(plan, name)
     assert result.returncode == 0, (
@@ -299,6 +361,7 @@ def check_healthy(plan: LocalPlan, name: str) -> None:
 
 
 def run_demo(plan: LocalPlan, name: str, output_dir: Path) -> None:
+    """The demo on LOCAL_REQUESTS requests; every one completes, and every replica of the plan gets some."""
     argv = with_flag(plan.command(name), "--output-dir", str(output_dir))
     argv = with_flag(argv, "--requests", str(LOCAL_REQUESTS))
     result = subprocess.run(
@@ -312,7 +375,7 @@ def run_demo(plan: LocalPlan, name: str, output_dir: Path) -> None:
     assert report["num_completed"] == LOCAL_REQUESTS
     assert report["num_generated_tokens"] >= LOCAL_REQUESTS
     assert 0.0 <= report["prefix_hit_rate"] <= 1.0
-    replica_ids = {parse(SERVICES[m]).replica_id for m in MANAGERS}
+    replica_ids = {parse(plan.services[m]).replica_id for m in running(plan.services, "kv-manager", "serve")}
     routed = report["requests_per_replica"]
     assert set(routed) == replica_ids and sum(routed.values()) == LOCAL_REQUESTS
     assert all(count > 0 for count in routed.values()), f"a replica got no request: {routed}"
@@ -376,14 +439,7 @@ def cluster_nodes(services: dict[str, Service]) -> list[str]:
 
 
 def test_the_cluster_profile_merges_as_compose_merges_it(cluster_services: dict[str, Service]) -> None:
-    result = docker_compose("-f", str(COMPOSE_FILE), "-f", str(CLUSTER_FILE), "config")
-    assert result.returncode == 0, result.stderr
-    merged = yaml.safe_load(result.stdout)["services"]
-    assert merged.keys() == cluster_services.keys()
-    for name, service in cluster_services.items():
-        assert tuple(str(a) for a in merged[name].get("command", ())) == service.command, name
-        conditions = {d: spec["condition"] for d, spec in merged[name].get("depends_on", {}).items()}
-        assert conditions == dict(service.depends_on), name
+    check_merges_as_compose_merges_it(["-f", str(COMPOSE_FILE), "-f", str(CLUSTER_FILE)], cluster_services, [])
 
 
 def test_the_cluster_profile_changes_only_where_the_managers_mirror(cluster_services: dict[str, Service]) -> None:
@@ -483,3 +539,122 @@ def check_managers_share_the_cluster(plan: LocalPlan, services: dict[str, Servic
         assert sum(1 for _ in cluster.scan_iter(match=f"{schema.namespace}:block:*", count=1000)) > 0
     finally:
         cluster.close()
+
+
+# -- the "ha" profile ------------------------------------------------------------------
+
+
+def test_the_ha_profile_merges_as_compose_merges_it() -> None:
+    check_merges_as_compose_merges_it(["-f", str(COMPOSE_FILE), "--profile", "ha"], WITH_HA, ["ha"])
+
+
+def test_the_ha_profile_is_one_group_that_the_worker_and_the_demo_follow() -> None:
+    members = {name: parse(HA[name]) for name in HA_MANAGERS}
+    # One replica, one witness; the witness keeps the lease's token and the in-sync set across a restart.
+    assert len({args.replica_id for args in members.values()}) == 1
+    for name, args in members.items():
+        assert [host for host, _ in references([args.ha_url])] == HA_REDIS, name
+        assert args.redis_url is None, f"{name} mirrors: the profile shows failover, the default services routing"
+    assert flag_value(HA[HA_REDIS[0]].command, "--appendonly") == "yes"
+    # Each member tells the others, the worker and clients its own service name.
+    for name, args in members.items():
+        assert args.advertise_address == f"{name}:{args.port}", name
+    # Its member id lives in its journal, on an anonymous volume: kept as long as the witness's data
+    # (stop/start, recreate), so a group restarted with that data finds a member its in-sync set names.
+    for name, args in members.items():
+        assert str(Path(args.journal).parent) in HA[name].raw.get("volumes", ()), name
+    # The worker and the demo follow the group: every member's address, the primary found among them.
+    advertised = {args.advertise_address for args in members.values()}
+    (worker,) = HA_WORKERS
+    assert set(manager_addresses(parse(HA[worker]).manager)) == advertised
+    for name in HA_DEMOS:
+        ((managers, worker_address),) = parse(HA[name]).replica
+        assert set(manager_addresses(managers)) == advertised, name
+        assert worker_address == f"{worker}:{parse(HA[worker]).port}", name
+    # The worker waits for both members to be healthy: a standby must pass, so they ask for the whole server.
+    for name in HA_MANAGERS:
+        assert PRIMARY_HEALTH_SERVICE not in HA[name].healthcheck, name
+
+
+@pytest.mark.slow
+def test_the_ha_profile_fails_over_as_local_processes(tmp_path: Path) -> None:
+    """Both members start and one becomes the primary; the worker registers with it. SIGKILL the primary:
+    the standby takes over within a few seconds, the same worker process is registered with it, and the
+    demo, given both members, runs through it. Then the whole profile restarts on the witness's data, as
+    `docker compose restart` does: the member the in-sync set names takes over again."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    plan = LocalPlan(HA)
+    processes: dict[str, LaunchedProcess] = {}
+    failures: list[str] = []
+    (worker,) = HA_WORKERS
+    try:
+        for name in [n for n in start_order(HA) if n not in HA_DEMOS]:
+            if name in HA_REDIS:
+                processes[name] = start_redis(plan, name, tmp_path)  # its append-only file lands there
+            else:
+                processes[name] = launch_ha_server(plan, name, tmp_path, tmp_path / f"{name}.log")
+                check_healthy(plan, name)  # a standby passes too: the worker waits for both members
+        primary = wait_for_one_primary(plan, HA_MANAGERS, READY_TIMEOUT_S)
+        worker_id = wait_for_streaming_worker(plan, primary)
+
+        processes[primary].kill()
+        (standby,) = set(HA_MANAGERS) - {primary}
+        assert wait_for_one_primary(plan, HA_MANAGERS, FAILOVER_TIMEOUT_S) == standby
+        assert wait_for_streaming_worker(plan, standby) == worker_id
+        assert processes[worker].running, f"{worker} exited:\n{processes[worker].log()[-3000:]}"
+        for name in HA_DEMOS:
+            run_demo(plan, name, tmp_path / name)
+
+        failures += stop_all([processes.pop(name) for name in [*HA_MANAGERS, worker]])
+        for name in HA_MANAGERS:
+            processes[name] = launch_ha_server(plan, name, tmp_path, tmp_path / f"{name}-restarted.log")
+        assert wait_for_one_primary(plan, HA_MANAGERS, READY_TIMEOUT_S) == standby
+    finally:
+        failures += stop_all(list(processes.values()))
+    assert not failures, "\n\n".join(failures)
+
+
+def launch_ha_server(plan: LocalPlan, name: str, directory: Path, log_path: Path) -> LaunchedProcess:
+    """A member or the worker of the "ha" profile, waited for; a member keeps its journal in `directory`
+    (as each container keeps it on its own volume), so a member started again is the same member."""
+    if name not in HA_MANAGERS:
+        return launch(plan.command(name), WORKER_READY_PREFIX, log_path, env=plan.environment(name))
+    argv = with_flag(plan.command(name), "--journal", str(directory / f"{name}.journal"))
+    return launch(argv, MANAGER_READY_PREFIX, log_path, env=plan.environment(name))
+
+
+def serves_as_primary(address: str) -> bool:
+    """Whether the health service at `address` reports the manager's service SERVING (a group's primary)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            request = health_pb2.HealthCheckRequest(service=PRIMARY_HEALTH_SERVICE)
+            response = health_pb2_grpc.HealthStub(channel).Check(request, timeout=1)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_for_one_primary(plan: LocalPlan, members: list[str], timeout_s: float) -> str:
+    """The one member that serves as the primary, waited for; two at once fail the test."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        serving = [name for name in members if serves_as_primary(plan.address(name, parse(plan.services[name]).port))]
+        assert len(serving) < 2, f"two primaries at once: {serving}"
+        if serving:
+            return serving[0]
+        assert time.monotonic() < deadline, f"no member of {members} became the primary within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def wait_for_streaming_worker(plan: LocalPlan, manager: str) -> str:
+    """The id of the one worker `manager` lists, once that worker's step stream to it is open."""
+    with KVManagerClient(plan.address(manager, parse(plan.services[manager]).port), timeout_s=10) as client:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            workers = client.stub.GetStats(pb.GetStatsRequest(), timeout=10).workers
+            if len(workers) == 1 and workers[0].streaming:
+                return workers[0].worker_id
+            assert len(workers) <= 1, f"{manager} lists several workers: {workers}"
+            assert time.monotonic() < deadline, f"{manager} lists no streaming worker: {workers}"
+            time.sleep(0.05)

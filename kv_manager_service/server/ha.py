@@ -78,9 +78,11 @@ class GroupMember:
         self.token = 0  # the token this member serves under; 0 while it is a standby
         self.led_token = 0  # the token of this member's last term as primary (0: it never led)
         self.primary: LeaseHolder | None = None  # the lease's holder as last read
-        self.num_promotions = 0
         self._follower: Follower | None = None
+        self._retry_s = options.poll_s  # the wait before following the same primary again after a failure
+        self._retry_at = 0.0  # monotonic
         self._absent_since: float | None = None  # monotonic: since when no lease and no in-sync set were seen
+        self._warned: str | None = None  # the last warning `_warn_once` logged
         self._stopped = threading.Event()
         replica.enable_history(options.history_retention, options.history_retention_bytes)
         replica.primary_check = self.check
@@ -97,9 +99,14 @@ class GroupMember:
             self._follower.stop()
         if self.token:
             token = self.token
+            # The last holder of a state no journal keeps: the group starts over, empty, with its next member.
+            dissolve = self.replica.journal is None and not self.commit.in_sync()
             self._step_down("stopping")
             try:
-                self.leadership.release(token)
+                self.leadership.release(token, dissolve)
+                if dissolve:
+                    log.warning("this primary had no journal and no standby in sync: the group's state ends "
+                                "with it, and its next member starts it over, empty")  # fmt: skip
             except redis.RedisError as error:
                 log.warning("cannot give the lease up (%s): a standby takes over once it lapses", error)
         self.channel.close()
@@ -129,7 +136,7 @@ class GroupMember:
         if self.token and token > self.token:
             self.leadership.valid_until = 0.0  # refuse from now; the thread steps down
 
-    async def committed(self, timeout_s: float | None = None) -> None:
+    async def committed(self) -> None:
         """Until every record accepted so far is committed; then NotPrimaryError unless this member still
         serves. A lagging in-sync standby is dropped from the set (in Redis first) after the sync timeout."""
         replica = self.replica
@@ -235,10 +242,15 @@ class GroupMember:
                 return  # our own lease from before a restart: it lapses, then we may take it again
             follower = self._follower
             if follower is None or not follower.alive or follower.address != holder.address:
-                quiet = follower is not None and follower.failed and follower.address == holder.address
+                again = follower is not None and follower.failed and follower.address == holder.address
+                if again and time.monotonic() < self._retry_at:
+                    return
+                # Failing again at the same address: wait longer each time, up to a lease, and log it once.
+                self._retry_s = min(self._retry_s * 2, self.options.lease_s) if again else self.options.poll_s
+                self._retry_at = time.monotonic() + self._retry_s
                 if follower is not None:
                     follower.stop()
-                self._follower = Follower(self, holder.address, holder.token, quiet)
+                self._follower = Follower(self, holder.address, holder.token, quiet=again)
             return
         try:
             try:
@@ -281,7 +293,6 @@ class GroupMember:
             self._serve_under(token)
             replica.workers.renew_all(time.monotonic())
         self.primary = LeaseHolder(token, self.member_id, self.address)
-        self.num_promotions += 1
         log.warning("this member is the primary of replica %s now, under token %d, at record %d (step %d)",
                     replica.replica_id, token, replica.last_seq, replica.manager.last_step_id,
                     extra={"token": token})  # fmt: skip
@@ -306,7 +317,7 @@ class GroupMember:
         self.on_serving(False)
 
     def _warn_once(self, message: str) -> None:
-        if getattr(self, "_warned", None) != message:
+        if self._warned != message:
             self._warned = message
             log.warning(message)
 

@@ -9,9 +9,10 @@ need not reproduce.
 Formats 2 and 3 journaled a Step as it was sent, and no fingerprint: it is
 the journaled request's own. They journaled a single-op call as a Step whose
 one-token op may sit in the decode columns, though it may have admitted its
-request; so the replica replays an unkeyed step's decode columns as allocate
-ops (the same state either way), and a keyed one exactly, to remember the
-same result.
+request; so the replica replays an unkeyed step's decode columns from those
+formats as allocate ops (the same state either way), and a keyed one
+exactly, to remember the same result. Format 4 holds a step's ops and
+decode columns as they were applied, and is replayed exactly.
 """
 
 from __future__ import annotations

@@ -70,10 +70,12 @@ if ARGV[2] == 'add' then redis.call('SADD', KEYS[2], ARGV[3]) else redis.call('S
 return 1
 """
 
-# KEYS: lease. ARGV: the lease's value. Deletes it only if it is still that.
+# KEYS: lease, isr. ARGV: the lease's value, '1' to delete the in-sync set too. Deletes the lease only if
+# it is still that.
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '1' then redis.call('DEL', KEYS[2]) end
+return redis.call('DEL', KEYS[1])
 """
 
 
@@ -169,10 +171,12 @@ class Leadership:
     def in_sync(self) -> set[str]:
         return {m.decode() for m in self.client.smembers(self.keys[2])}
 
-    def release(self, token: int) -> None:
-        """Give the lease up now (a clean stop), so a standby need not wait for it to lapse."""
+    def release(self, token: int, dissolve: bool = False) -> None:
+        """Give the lease up now (a clean stop), so a standby need not wait for it to lapse. `dissolve`:
+        delete the in-sync set too (no member holds the group's state any more), so a new member may
+        found the group again."""
         self.valid_until = 0.0
-        self._release(keys=self.keys[:1], args=[self._value(token)])
+        self._release(keys=[self.keys[0], self.keys[2]], args=[self._value(token), int(dissolve)])
 
     def _value(self, token: int) -> str:
         return LeaseHolder(token, self.member_id, self.address).value()

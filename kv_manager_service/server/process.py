@@ -84,6 +84,8 @@ OPERATOR_METHODS = frozenset(
 )
 # Calls for the member role only: the other managers of a high-availability group.
 MEMBER_METHODS = frozenset({"/kvcache.replication.v1.ReplicationService/Follow"})
+# A member receives what its primary sends whole: a snapshot is one message, as large as the pool's state.
+MEMBER_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 REDIS_CLUSTER_MODES = ("auto", "yes", "no")  # mirror.connect.CLUSTER_MODES, named here without importing redis
 REDIS_WRITERS = ("thread", "process")  # --redis-writer
 
@@ -495,7 +497,8 @@ def _member(
              replica.replica_id, _redact(options.ha_url), address)  # fmt: skip
     return GroupMember(
         replica, client, address, options.ha, pool, loop.loop,
-        channel=lambda target: client_channel(target, options.ha_tls, options.ha_token), on_serving=lambda serving: None,
+        channel=lambda target: client_channel(target, options.ha_tls, options.ha_token, MEMBER_CHANNEL_OPTIONS),
+        on_serving=lambda serving: None,
     )  # fmt: skip
 
 

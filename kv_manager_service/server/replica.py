@@ -170,8 +170,9 @@ class Replica:
         self.journal: Journal | None = None
         if journal is not None:
             with self._applied():
+                exact = journal.file_format >= 4
                 for record in journal.records:
-                    self._apply_record(record)
+                    self._apply_record(record, exact)
             self.workers.renew_all(time.monotonic())  # the journal's workers had no chance to call
             self._publish_stats()
         self.journal = journal
@@ -480,30 +481,29 @@ class Replica:
         finally:
             self._applying = False
 
-    def apply_records(self, payloads: Sequence[bytes]) -> None:
-        """A standby applies its primary's serialized records, in order, and records them as they are.
+    def apply_records(self, payloads: Sequence[bytes], records: Sequence[jpb.JournalRecord]) -> None:
+        """A standby applies its primary's records (`payloads`, parsed as `records`), in order, and
+        records them as they are.
 
-        Each must follow this replica's last record (`last_seq` + 1), or be a snapshot, which
-        replaces the whole state (a standby that could not follow the primary's history from
-        where it stood). ReplicationError, nothing more applied, for a record that does neither
-        or carries an older token than the last.
+        Each must follow this replica's last record (`last_seq` + 1, a token no older), or be a
+        snapshot, which replaces
+        the whole state (a standby that could not follow the primary's history from where it
+        stood). ReplicationError, nothing more applied, for a record that does neither.
         """
         with self.lock:
             try:
-                for payload in payloads:
-                    record = jpb.JournalRecord.FromString(payload)
-                    is_snapshot = record.WhichOneof("entry") == "snapshot"
-                    if record.token < self.last_record_token or not (is_snapshot or record.seq == self.last_seq + 1):
+                for payload, record in zip(payloads, records):
+                    if record.WhichOneof("entry") == "snapshot":
+                        self._start_over(record)
+                        continue
+                    if record.seq != self.last_seq + 1 or record.token < self.last_record_token:
                         raise ReplicationError(
                             f"record {record.seq} of token {record.token} does not follow record {self.last_seq} "
                             f"of token {self.last_record_token}"
                         )
-                    if is_snapshot:
-                        self._start_over(record)
-                    else:
-                        with self._applied():
-                            self._apply_record(record)
-                        self._record(payload)
+                    with self._applied():
+                        self._apply_record(record)
+                    self._record(payload)
             finally:
                 if self.check_invariants:
                     self.manager.check_invariants()
@@ -529,49 +529,50 @@ class Replica:
         if self.journal is not None:
             self.journal.compact(record.snapshot, record.seq, record.token)
 
-    def _apply_record(self, record: jpb.JournalRecord) -> None:
-        """Apply one journal record (header excluded), with its number and token when it has them."""
-        self._replay([journal_records.decode(record)])
+    def _apply_record(self, record: jpb.JournalRecord, exact: bool = True) -> None:
+        """Apply one journal record (header excluded), with its number and token when it has them.
+        `exact`: the record holds a step's ops and decode columns as applied (format 4 and a group's)."""
+        self._replay(journal_records.decode(record), exact)
         self.last_seq = record.seq or self.last_seq + 1  # a record of no group: the next
         if record.token:
             self.last_record_token = record.token
             self.token = max(self.token, record.token)
 
-    def _replay(self, entries: Sequence[Entry]) -> None:
-        """Replay a journal's entries (header excluded) into this replica, in order."""
-        for entry in entries:
-            kind = type(entry)
-            if kind is StepApplied:
-                if entry.key is not None:
-                    # It was applied, so it is applied again (a key forgotten and reused since, under
-                    # a smaller retention than now, must not be taken for a repeat), and remembered.
-                    self.step_keys.forget(entry.key.key)
-                    self.step(entry.ops, entry.decode, entry.key)
-                else:
-                    # Applied as allocate ops: the same state, and a format 3 single-op call's
-                    # one-token op in the decode columns may have admitted its request.
-                    ops, decode = entry.ops, entry.decode
-                    self.step(list(ops) + decode.as_ops() if decode is not None else ops)
-            elif kind is StepsAcked:
-                # A journal written before registration came only from WatchSteps holds
-                # acknowledgements of workers it never registered: they register here.
-                self.workers.register(entry.worker_id, 0, time.monotonic())
-                with self.lock:
-                    self._ack(entry.worker_id, entry.step_id)
-            elif kind is WorkerRegistered:
-                with self.lock:
-                    self._register(entry, replaying=True)
-            elif kind is MissingKVReported:
-                with self.lock:
-                    self._apply_report(entry.report)
-            elif kind is WorkerUnregistered:
-                with self.lock:
-                    self._drop_worker(entry.worker_id, None)
-            elif kind is PrefixCacheReset:
-                assert self.reset_prefix_cache(), "a journaled reset must succeed again"
+    def _replay(self, entry: Entry, exact: bool) -> None:
+        """Replay one journal entry (not the header) into this replica, after those before it."""
+        kind = type(entry)
+        if kind is StepApplied:
+            if entry.key is not None:
+                # It was applied, so it is applied again (a key forgotten and reused since, under
+                # a smaller retention than now, must not be taken for a repeat), and remembered.
+                self.step_keys.forget(entry.key.key)
+                self.step(entry.ops, entry.decode, entry.key)
+            elif exact or entry.decode is None:
+                self.step(entry.ops, entry.decode)
             else:
-                assert kind is SnapshotTaken, entry
-                restore_snapshot(self, entry.snapshot)
+                # Formats 2 and 3: applied as allocate ops, the same state, since a single-op
+                # call's one-token op in the decode columns may have admitted its request.
+                self.step(list(entry.ops) + entry.decode.as_ops())
+        elif kind is StepsAcked:
+            # A journal written before registration came only from WatchSteps holds
+            # acknowledgements of workers it never registered: they register here.
+            self.workers.register(entry.worker_id, 0, time.monotonic())
+            with self.lock:
+                self._ack(entry.worker_id, entry.step_id)
+        elif kind is WorkerRegistered:
+            with self.lock:
+                self._register(entry, replaying=True)
+        elif kind is MissingKVReported:
+            with self.lock:
+                self._apply_report(entry.report)
+        elif kind is WorkerUnregistered:
+            with self.lock:
+                self._drop_worker(entry.worker_id, None)
+        elif kind is PrefixCacheReset:
+            assert self.reset_prefix_cache(), "a journaled reset must succeed again"
+        else:
+            assert kind is SnapshotTaken, entry
+            restore_snapshot(self, entry.snapshot)
 
     def _publish_stats(self) -> None:
         """Publish the figures `stats` returns, in one assignment so a reader sees one mutation's set."""

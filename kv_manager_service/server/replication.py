@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kv_manager_service.server.replication")
 
 RECORDS_PER_MESSAGE = 4096
+MESSAGE_BYTES = 4 << 20  # a message of records stops growing past this (one record may be larger)
 
 
 @dataclass
@@ -158,10 +159,10 @@ class Commit:
                 standby.in_sync = standby.in_sync or in_sync
                 standby.joining = False
 
-    def standbys(self) -> dict[str, tuple[str, int, bool]]:
-        """member id -> (address, acknowledged record, in sync), for statistics."""
+    def in_sync(self) -> list[str]:
+        """The standbys every commit waits for."""
         with self._changed:
-            return {m: (s.address, s.acked_seq, s.in_sync) for m, s in self._standbys.items()}
+            return [m for m, s in self._standbys.items() if s.in_sync]
 
     def clear(self) -> None:
         """Forget every standby and wake every wait (a primary that stepped down: its waits end refused)."""
@@ -226,7 +227,8 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             async for batch in replica.history.follow(start, RECORDS_PER_MESSAGE):
                 if member.token != token:
                     break  # this member stepped down (or its token moved on): the standby reconnects
-                yield rpb.FollowResponse(token=token, records=[payload for _, payload in batch])
+                for records in _by_size([payload for _, payload in batch], MESSAGE_BYTES):
+                    yield rpb.FollowResponse(token=token, records=records)
         except LogTruncatedError:
             log.warning("standby %s fell behind the history's retention; it starts over", first.member_id)
         finally:
@@ -256,6 +258,29 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
         async for request in requests:
             if member.commit.acknowledged(member_id, request.acked_seq):
                 asyncio.get_running_loop().run_in_executor(member.pool, member.admit_standby, member_id)
+
+
+def _follows(records: list[jpb.JournalRecord], seq: int, token: int) -> bool:
+    """Whether `records` (no snapshot among them) continue, in order, a history ending at record `seq` of token `token`."""
+    for record in records:
+        if record.WhichOneof("entry") == "snapshot" or record.seq != seq + 1 or record.token < token:
+            return False
+        seq, token = record.seq, record.token
+    return bool(records)
+
+
+def _by_size(payloads: list[bytes], max_bytes: int) -> Iterator[list[bytes]]:
+    """`payloads` in order, in runs of at most `max_bytes` (a larger payload alone)."""
+    run: list[bytes] = []
+    size = 0
+    for payload in payloads:
+        if run and size + len(payload) > max_bytes:
+            yield run
+            run, size = [], 0
+        run.append(payload)
+        size += len(payload)
+    if run:
+        yield run
 
 
 class Follower:
@@ -317,9 +342,17 @@ class Follower:
                                 self.address, response.token, replica.token)  # fmt: skip
                     return
                 member.saw_token(response.token)
-                replica.apply_records(response.records)
-                applied += len(response.records)
-                self._acks.put(rpb.FollowRequest(acked_seq=replica.last_seq))
+                records = [jpb.JournalRecord.FromString(payload) for payload in response.records]
+                # Without a journal, a record is held once it is in memory: acknowledged before it is
+                # applied, when it surely applies (it follows), so applying it is off the primary's
+                # round trip. The promotion waits for this thread, so it is applied before any call.
+                early = replica.journal is None and _follows(records, replica.last_seq, replica.last_record_token)
+                if early:
+                    self._acks.put(rpb.FollowRequest(acked_seq=records[-1].seq))
+                replica.apply_records(response.records, records)
+                applied += len(records)
+                if not early:
+                    self._acks.put(rpb.FollowRequest(acked_seq=replica.last_seq))
         except grpc.RpcError as error:
             if not self._stopped.is_set():
                 self.failed = not applied

@@ -162,3 +162,17 @@ def test_a_group_with_journals_survives_losing_every_member_at_once(group: Group
     group.wait_in_sync(other, new_primary)
     assert "after a snapshot" not in new_primary.log()  # the histories matched: the tail only
     assert_history_replays(group, clients)
+
+
+def test_a_group_without_journals_stopped_cleanly_starts_over_with_its_next_member(group: Group) -> None:
+    """The last member to stop holds the only copy of a state no journal keeps: it dissolves the group's
+    in-sync set as it goes, so the next member founds the group again instead of waiting for ever."""
+    group.start()
+    primary = group.primary()
+    standby = group.start()
+    group.wait_in_sync(standby, primary)
+    assert standby.stop() == 0
+    assert primary.stop() == 0
+    assert "starts it over" in primary.log()
+    successor = group.start()
+    assert group.primary(timeout_s=10) is successor
