@@ -96,6 +96,7 @@ class Server:
 
     processes: list[LaunchedProcess]
     client: KVManagerClient
+    client2: KVManagerClient  # a second caller, on its own connection
 
     @property
     def pids(self) -> list[int]:
@@ -283,11 +284,11 @@ class Plan:
 
     @property
     def num_blocks(self) -> int:
-        """Room for every live request: a round's, or the catch-up's (and the few of `stuck_cost`). The pool's
+        """Room for every live request: a round's (two callers'), or the catch-up's (and the few of `stuck_cost`). The pool's
         size sets much of a snapshot's (its free queue and cached blocks)."""
-        decoded = max(self.warmup + self.steps + self.throughput_steps, sum(self.tail_steps))
+        decoded = max(self.warmup + self.steps + 2 * self.throughput_steps, sum(self.tail_steps))
         num_tokens = PROMPT_LEN + decoded + BLOCK_SIZE
-        return NUM_REQUESTS * (-(-num_tokens // BLOCK_SIZE) + 1) + 1024
+        return 2 * NUM_REQUESTS * (-(-num_tokens // BLOCK_SIZE) + 1) + 1024  # two callers' requests
 
 
 class Results(dict):
@@ -300,8 +301,9 @@ class Results(dict):
         return self[key].p50[-1]
 
 
-def measure(name: str, server: Server, work: Workload, plan: Plan, results: Results) -> None:
-    """One configuration's latency series, then its back-to-back Steps with each process's CPU."""
+def measure(name: str, server: Server, work: Workload, work2: Workload, plan: Plan, results: Results) -> None:
+    """One configuration's latency series, then its back-to-back Steps with each process's CPU, then
+    back-to-back Steps from two callers at once (the second on `work2`): commits are grouped."""
     stub = server.client.stub
     samples = timed_calls(lambda i: stub.Step(work.decode_requests[i % NUM_PREBUILT], timeout=30),
                           lambda r: check_decode(r, NUM_REQUESTS), plan.warmup, plan.steps)  # fmt: skip
@@ -315,6 +317,8 @@ def measure(name: str, server: Server, work: Workload, plan: Plan, results: Resu
     if len(cpu_ms) > 1:
         results.series(f"{name}:standby_cpu").add_value(cpu_ms[1])
     results.series(f"{name}:all_cpu").add_value(sum(cpu_ms))
+    rate2, _ = throughput([server.client, server.client2], [work, work2], plan.throughput_steps)
+    results.series(f"{name}:rate2").add_value(rate2)
 
 
 def run_round(index: int, plan: Plan, servers: dict[str, Server], results: Results) -> None:
@@ -322,16 +326,19 @@ def run_round(index: int, plan: Plan, servers: dict[str, Server], results: Resul
     for name in alternating(CONFIGS, index):
         server = servers[name]
         work = Workload(f"r{index}-{name}", NUM_REQUESTS, rng)
+        work2 = Workload(f"r{index}-{name}-2", NUM_REQUESTS, rng)
         results.series(f"{name}:admit").add_value(admit_rpc(server.client, work))
-        measure(name, server, work, plan, results)
+        admit_rpc(server.client2, work2)
+        measure(name, server, work, work2, plan, results)
         server.client.free(work.request_ids)
+        server.client2.free(work2.request_ids)
     # vLLM's own manager, in-process, right after the Steps it is compared with
     if plan.vllm is not None:
         vllm_ms, _ = plan.vllm.run(NUM_REQUESTS, PROMPT_LEN, plan.warmup + plan.steps)
         results.series("vllm").add_value(vllm_ms)
         for name in CONFIGS:
             results.series(f"{name}:step_vs_vllm").add_value(results.last(f"{name}:step") / vllm_ms)
-    for key in ("step", "step_p90", "rate", "server_cpu", "all_cpu", "admit"):
+    for key in ("step", "step_p90", "rate", "rate2", "server_cpu", "all_cpu", "admit"):
         results.series(f"ratio:{key}").add_value(results.last(f"group:{key}") / results.last(f"lone:{key}"))
 
 
@@ -501,6 +508,8 @@ def render(results: Results, catch_ups: Sequence[CatchUp], stuck: StuckCost | No
         f"| 2 | **throughput, back-to-back 256-request Steps, 1 client** | {cell(r['lone:rate'])} | "
         f"{cell(r['group:rate'])} | {ratio_cell(r['ratio:rate'])} | req-steps/s | "
         f"{verdict(f'>= {TARGET_THROUGHPUT_SHARE:.2f}', share >= TARGET_THROUGHPUT_SHARE)} |",
+        f"| 2 | throughput, back-to-back 256-request Steps, 2 clients at once (commits grouped) | "
+        f"{cell(r['lone:rate2'])} | {cell(r['group:rate2'])} | {ratio_cell(r['ratio:rate2'])} | req-steps/s | |",
         f"| 2 | server CPU per Step (the group's primary) | {cell(r['lone:server_cpu'])} | "
         f"{cell(r['group:server_cpu'])} | {ratio_cell(r['ratio:server_cpu'])} | ms | |",
         f"| 2 | the standby's CPU per Step | | {cell(r['group:standby_cpu'])} | | ms | |",
@@ -595,8 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             group = Group(Path(directory), plan.num_blocks)
             group.start()
             servers = {
-                "lone": Server([lone], make_client(lone.address)),
-                "group": Server(group.members[:2], make_client(group.primary.address)),
+                "lone": Server([lone], make_client(lone.address), make_client(lone.address, own_connection=True)),
+                "group": Server(group.members[:2], make_client(group.primary.address),
+                                make_client(group.primary.address, own_connection=True)),
             }
             results = Results()
             for index in range(plan.rounds):

@@ -294,6 +294,7 @@ class Follower:
         self.address = address
         self.token = token
         self._acks: queue.SimpleQueue[rpb.FollowRequest | None] = queue.SimpleQueue()
+        self._taken = threading.Semaphore(0)  # released as gRPC takes each acknowledgement to send it
         self._call = None
         self._stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ha-follower", daemon=True)
@@ -316,6 +317,7 @@ class Follower:
     def _requests(self, first: rpb.FollowRequest) -> Iterator[rpb.FollowRequest]:
         yield first
         while True:
+            self._taken.release()  # gRPC asks for the next: it has sent the last
             request = self._acks.get()
             if request is None:
                 return
@@ -348,7 +350,11 @@ class Follower:
                 # round trip. The promotion waits for this thread, so it is applied before any call.
                 early = replica.journal is None and _follows(records, replica.last_seq, replica.last_record_token)
                 if early:
+                    while self._taken.acquire(blocking=False):
+                        pass  # what the last acknowledgements' sending left
                     self._acks.put(rpb.FollowRequest(acked_seq=records[-1].seq))
+                    # gRPC's thread sends it once it asks for the next: let it, before the apply holds the GIL.
+                    self._taken.acquire(timeout=0.005)
                 replica.apply_records(response.records, records)
                 applied += len(records)
                 if not early:
