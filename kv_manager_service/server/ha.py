@@ -60,18 +60,21 @@ class GroupMember:
         options: HAOptions,
         pool: Executor,
         loop: asyncio.AbstractEventLoop,
-        channel: Callable[[str], grpc.Channel],
+        channel: Callable[[str], grpc.aio.Channel],
         on_serving: Callable[[bool], None],
+        token: str | None = None,
     ) -> None:
         """`address`: what the other members and clients reach this one at. `channel(address)`: a
-        channel to another member, with the server's credentials. `on_serving(True)` runs once this
-        member is primary, `on_serving(False)` once it no longer is."""
+        grpc.aio channel to another member (made on the loop that uses it), with TLS when the members
+        serve it; `token`: the member-role bearer token its calls carry. `on_serving(True)` runs once
+        this member is primary, `on_serving(False)` once it no longer is."""
         self.replica = replica
         self.options = options
         self.member_id = replica.journal.member_id if replica.journal is not None else uuid.uuid4().hex
         self.address = address
         self.pool = pool
-        self.channel = _Channels(channel)
+        self.channel = channel
+        self.call_metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.on_serving = on_serving
         self.leadership = Leadership(client, replica.replica_id, self.member_id, address, options.lease_s)
         self.commit = Commit(loop)
@@ -109,7 +112,6 @@ class GroupMember:
                                 "with it, and its next member starts it over, empty")  # fmt: skip
             except redis.RedisError as error:
                 log.warning("cannot give the lease up (%s): a standby takes over once it lapses", error)
-        self.channel.close()
 
     # -- serving ----------------------------------------------------------------------
 
@@ -320,25 +322,3 @@ class GroupMember:
         if self._warned != message:
             self._warned = message
             log.warning(message)
-
-
-class _Channels:
-    """One channel per other member's address, made on first use."""
-
-    def __init__(self, make: Callable[[str], grpc.Channel]) -> None:
-        self._make = make
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, address: str) -> grpc.Channel:
-        with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = self._make(address)
-            return channel
-
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()

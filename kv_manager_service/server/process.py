@@ -42,7 +42,7 @@ from kv_manager_service.shared.security import (
     Role,
     ServerTLS,
     TokenTable,
-    client_channel,
+    aio_client_channel,
 )
 from kv_manager_service.shared.termination import TerminationSignals
 from kv_manager_service.server.memory_budget import (
@@ -497,8 +497,8 @@ def _member(
              replica.replica_id, _redact(options.ha_url), address)  # fmt: skip
     return GroupMember(
         replica, client, address, options.ha, pool, loop.loop,
-        channel=lambda target: client_channel(target, options.ha_tls, options.ha_token, MEMBER_CHANNEL_OPTIONS),
-        on_serving=lambda serving: None,
+        channel=lambda target: aio_client_channel(target, options.ha_tls, MEMBER_CHANNEL_OPTIONS),
+        on_serving=lambda serving: None, token=options.ha_token,
     )  # fmt: skip
 
 

@@ -22,12 +22,12 @@ The primary's side is `Commit` and `ReplicationServicer`; the standby's is `Foll
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
@@ -70,7 +70,7 @@ class Commit:
         self.loop = loop
         self._changed = threading.Condition()
         self._standbys: dict[str, _Standby] = {}
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[int, asyncio.Future[bool]]] = []
 
     def committed_seq(self, last_seq: int) -> int:
         """The last committed record: the least any in-sync standby acknowledged, `last_seq` with none."""
@@ -81,15 +81,15 @@ class Commit:
         """Until record `seq` is committed: True; False after `timeout_s` (some in-sync standby lags)."""
         if self.committed_seq(last_seq()) >= seq:
             return True
-        future = self.loop.create_future()
+        future: asyncio.Future[bool] = self.loop.create_future()
+        timer = self.loop.call_later(timeout_s, _settle, [future], False)
         with self._changed:
             self._waiters.append((seq, future))
         self._wake()  # an acknowledgement may have come between the check and the registration
         try:
-            await asyncio.wait_for(asyncio.shield(future), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+            return await future
+        finally:
+            timer.cancel()
 
     def laggards(self, seq: int) -> list[str]:
         """The in-sync standbys that have not acknowledged record `seq`."""
@@ -178,14 +178,23 @@ class Commit:
             due = [f for seq, f in self._waiters if everyone or committed is None or seq <= committed]
             if due:
                 self._waiters = [(seq, f) for seq, f in self._waiters if not (everyone or committed is None or seq <= committed)]
-        if due:
-            self.loop.call_soon_threadsafe(_resolve, due)
+        if not due:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # an acknowledgement, read on the loop: the waits go on at once
+            _settle(due, True)
+        else:
+            self.loop.call_soon_threadsafe(_settle, due, True)
 
 
-def _resolve(futures: list[asyncio.Future[None]]) -> None:
+def _settle(futures: list[asyncio.Future[bool]], committed: bool) -> None:
+    """End waits: with True once committed, False when their time is up."""
     for future in futures:
         if not future.done():
-            future.set_result(None)
+            future.set_result(committed)
 
 
 class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
@@ -284,7 +293,8 @@ def _by_size(payloads: list[bytes], max_bytes: int) -> Iterator[list[bytes]]:
 
 
 class Follower:
-    """A standby's stream from its primary, in a thread: applies each message's records, then acknowledges."""
+    """A standby's stream from its primary, a task on the server's event loop: acknowledges each
+    message's records and applies them (in the thread pool, so the loop never waits for the lock)."""
 
     def __init__(self, member: GroupMember, address: str, token: int, quiet: bool = False) -> None:
         """`quiet`: a failure to follow is logged at DEBUG only (the last try at this address failed too)."""
@@ -293,37 +303,36 @@ class Follower:
         self.failed = False
         self.address = address
         self.token = token
-        self._acks: queue.SimpleQueue[rpb.FollowRequest | None] = queue.SimpleQueue()
-        self._taken = threading.Semaphore(0)  # released as gRPC takes each acknowledgement to send it
-        self._call = None
         self._stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="ha-follower", daemon=True)
-        self.thread.start()
+        self._applied = threading.Event()  # set while no apply is under way
+        self._applied.set()
+        self._future = asyncio.run_coroutine_threadsafe(self._run(), member.commit.loop)
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return not self._future.done()
 
     def stop(self) -> None:
-        """End the stream and return once no record is being applied."""
+        """End the stream and return once no record is being applied (from any thread but the loop's)."""
         self._stopped.set()
-        self._acks.put(None)
-        call = self._call
-        if call is not None:
-            call.cancel()
-        if self.thread is not threading.current_thread():
-            self.thread.join()
+        self._future.cancel()
+        concurrent.futures.wait([self._future])
+        self._applied.wait()
 
-    def _requests(self, first: rpb.FollowRequest) -> Iterator[rpb.FollowRequest]:
-        yield first
-        while True:
-            self._taken.release()  # gRPC asks for the next: it has sent the last
-            request = self._acks.get()
-            if request is None:
-                return
-            yield request
+    async def _run(self) -> None:
+        channel = self.member.channel(self.address)  # made on the loop it belongs to
+        try:
+            await self._follow(channel)
+        finally:
+            await channel.close()
 
-    def _run(self) -> None:
+    def _apply(self, payloads: Sequence[bytes], records: list[jpb.JournalRecord]) -> None:
+        try:
+            self.member.replica.apply_records(payloads, records)
+        finally:
+            self._applied.set()
+
+    async def _follow(self, channel: grpc.aio.Channel) -> None:
         member = self.member
         replica = member.replica
         with replica.lock:
@@ -334,11 +343,12 @@ class Follower:
         started = time.monotonic()
         applied = 0
         try:
-            channel = member.channel(self.address)
-            self._call = rpb_grpc.ReplicationServiceStub(channel).Follow(self._requests(first))
-            if self._stopped.is_set():
-                self._call.cancel()
-            for response in self._call:
+            call = rpb_grpc.ReplicationServiceStub(channel).Follow(metadata=member.call_metadata)
+            await call.write(first)
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    return
                 if response.token < replica.token:
                     log.warning("the member at %s sends token %d, older than %d: not following it",
                                 self.address, response.token, replica.token)  # fmt: skip
@@ -350,15 +360,15 @@ class Follower:
                 # round trip. The promotion waits for this thread, so it is applied before any call.
                 early = replica.journal is None and _follows(records, replica.last_seq, replica.last_record_token)
                 if early:
-                    while self._taken.acquire(blocking=False):
-                        pass  # what the last acknowledgements' sending left
-                    self._acks.put(rpb.FollowRequest(acked_seq=records[-1].seq))
-                    # gRPC's thread sends it once it asks for the next: let it, before the apply holds the GIL.
-                    self._taken.acquire(timeout=0.005)
-                replica.apply_records(response.records, records)
+                    await call.write(rpb.FollowRequest(acked_seq=records[-1].seq))
+                self._applied.clear()
+                # Shielded: a stop waits for an apply under way rather than leave it half-known.
+                await asyncio.shield(
+                    asyncio.get_running_loop().run_in_executor(member.pool, self._apply, response.records, records)
+                )
                 applied += len(records)
                 if not early:
-                    self._acks.put(rpb.FollowRequest(acked_seq=replica.last_seq))
+                    await call.write(rpb.FollowRequest(acked_seq=replica.last_seq))
         except grpc.RpcError as error:
             if not self._stopped.is_set():
                 self.failed = not applied
