@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from gpu_worker.model_config import BUILTIN_MODELS
+from kv_manager_service.shared.arg_types import package_version
 from kv_manager_service.shared.logs import configure_logging
+
+WORKER_EXTRA_MODULES = ("torch", "safetensors", "numpy")  # the worker extra's imports (Triton only for its kernels)
 
 
 def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
@@ -17,6 +21,7 @@ def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
         usage="%(prog)s --manager HOST:PORT[,HOST:PORT...] [options]",
         description="Hold the KV cache of one kv-manager's pool and run a Llama-style decoder over it.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument(
         "--manager", required=require_manager, metavar="HOST:PORT[,HOST:PORT...]",
         help="the kv-manager to follow; or every member of its high-availability group, comma-separated: "
@@ -109,6 +114,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    missing = [name for name in WORKER_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"gpu-worker: error: {', '.join(missing)} not installed; the worker needs the worker extra: "
+            "pip install 'kv-manager-service[worker]' (on a CPU-only machine, with -c constraints/cpu.txt)",
+            file=sys.stderr,
+        )
+        return 2
     from gpu_worker.server import WorkerOptions, serve
 
     extra = {"worker_id": args.worker_id} if args.worker_id else {}

@@ -119,3 +119,24 @@ def test_serve_refuses_a_host_tier_the_pool_cannot_use(tmp_path):
         "kv-manager: error: num_host_blocks 128 needs full_attention groups only; groups[1] (sliding_window) "
         "cannot use the host tier"
     ]
+
+
+@pytest.mark.parametrize("module, name", [("kv_manager_service.cli", "kv-manager"), ("gpu_worker.cli", "gpu-worker")])
+def test_both_commands_say_their_version_from_the_package_metadata(module, name):
+    from importlib.metadata import version
+
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{name} {version('kv-manager-service')}"
+
+
+def test_the_worker_without_its_extra_exits_2_with_one_line_naming_it():
+    """A manager-only install has no torch: the worker says which extra to install, in one line."""
+    code = (
+        "import sys; sys.modules['torch'] = None; from gpu_worker.cli import main; "
+        "sys.exit(main(['--manager', '127.0.0.1:1']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torch not installed" in lines[0] and "kv-manager-service[worker]" in lines[0], lines

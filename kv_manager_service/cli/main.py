@@ -10,12 +10,13 @@ from typing import Sequence
 
 from kv_manager_service.cli.flags import add_pool_flags, add_security_flags, build_config, security_options
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES
-from kv_manager_service.shared.arg_types import positive_int
+from kv_manager_service.shared.arg_types import package_version, positive_int
 from kv_manager_service.shared.ports import PortUnavailableError
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-manager", description="The KV-cache manager of an LLM serving engine.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(

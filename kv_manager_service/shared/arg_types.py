@@ -25,3 +25,13 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def package_version() -> str:
+    """This install's version, from the package metadata (`--version` of both commands)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kv-manager-service")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
