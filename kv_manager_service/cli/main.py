@@ -89,6 +89,11 @@ def make_parser() -> argparse.ArgumentParser:
         "Cluster this node belongs to (see --redis-cluster); without it the index stays in-process",
     )
     serve.add_argument(
+        "--redis-required", action="store_true",
+        help="refuse to start while the Redis of --redis-url does not answer (default: start, serve from this "
+        "replica's pool, and write the mirror once Redis answers)",
+    )  # fmt: skip
+    serve.add_argument(
         "--redis-cluster", choices=("auto", "yes", "no"), default="auto",
         help="whether --redis-url names a node of a Redis Cluster: auto asks that node (INFO cluster) on first "
         "contact; no skips the question; yes refuses to start against a node with cluster mode off. On a "
@@ -236,6 +241,7 @@ def run_serve(args: argparse.Namespace) -> int:
             event_retention_bytes=args.event_retention_bytes,
         ),
         redis_url=args.redis_url,
+        redis_required=args.redis_required,
         redis_cluster=args.redis_cluster,
         redis_collect_interval_s=args.redis_collect_interval_s,
         redis_collect_after_s=args.redis_collect_after_s,

@@ -90,8 +90,8 @@ def connect(endpoint: RedisEndpoint) -> MirrorRedis:
     try:
         return connect_now(endpoint)
     except (redis.ConnectionError, redis.TimeoutError) as error:
-        log.warning("Redis at %s unreachable (%s); its topology is detected on first contact",
-                    _host_port(endpoint.url), error)  # fmt: skip
+        log.info("Redis at %s does not answer yet (%s); its topology is detected on first contact",
+                 _host_port(endpoint.url), error)  # fmt: skip
         return DeferredRedis(endpoint)
 
 

@@ -59,6 +59,7 @@ import redis
 
 from kv_manager_service.broadcast_log import BroadcastLog, LogTruncatedError
 from kv_manager_service.shared.events import KVEvent
+from kv_manager_service.shared.logs import OutageLog
 from kv_manager_service.mirror.collector import CollectorMetrics, CollectorOptions, StaleFieldCollector
 from kv_manager_service.mirror.connect import cluster_epoch
 from kv_manager_service.mirror.schema import (
@@ -157,6 +158,11 @@ class MirrorWriter:
         # Called once by a thread that died (see the module docstring), with its name and what ended it.
         self.on_thread_death: Callable[[str, BaseException], None] | None = None
         self.dead_thread: str | None = None  # the name of the first thread that died
+        # Redis down: one WARNING, then one a minute, then one line when it answers again.
+        self.outage = OutageLog(
+            log, f"the mirror's Redis ({schema.namespace})",
+            "this replica answers from its own pool, and the mirror is written again once Redis answers",
+        )  # fmt: skip
         self._stop = threading.Event()
         self._threads = [
             self._supervised_thread("mirror-writer", self._write_loop),
@@ -195,8 +201,7 @@ class MirrorWriter:
                 other = self._renew()
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
-                log.warning("Redis unreachable at start (%s); claiming the lease of %r in the background",
-                            error, self.replica_id)  # fmt: skip
+                self.outage.failed(error)
                 return
             except MalformedLeaseError as error:
                 log.warning("%s; claiming the lease of %r in the background", error, self.replica_id)
@@ -252,7 +257,7 @@ class MirrorWriter:
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
                 self._resync = True
-                log.warning("mirror write failed (%s); retrying in %.1fs, then resyncing", error, backoff)
+                self.outage.failed(error)  # retried after `backoff`, then the writer resyncs
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.options.max_retry_backoff_s)
             except Exception:
@@ -321,9 +326,10 @@ class MirrorWriter:
                     self._fence(other)
                     return
                 self._notice_failover()
+                self.outage.succeeded()
             except redis.RedisError as error:
                 self.metrics.num_failures += 1
-                log.warning("lease heartbeat failed: %s", error)
+                self.outage.failed(error)
             except MalformedLeaseError as error:
                 log.warning("lease heartbeat: %s; retrying", error)
             except Exception:

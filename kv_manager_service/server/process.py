@@ -126,6 +126,7 @@ class ServerOptions:
     tenant_quota_blocks: int | None = None  # a tenant's quota unless its token entry sets one; None: no quota
     redis_tls_ca: Path | None = None  # CA that signed Redis's certificate (rediss:// URLs)
     redis_password: str | None = field(default=None, repr=False)  # Redis AUTH, instead of one in the URL
+    redis_required: bool = False  # refuse to start while the Redis of redis_url does not answer
     ha_url: str | None = None  # a high-availability group's Redis (ha.py); None: this manager serves alone
     advertise_address: str | None = None  # HOST:PORT others reach this manager at; None: host and the bound port
     ha: HAOptions = HAOptions()
@@ -217,6 +218,8 @@ class ServerOptions:
             raise ValueError(f"--redis-writer must be one of {', '.join(REDIS_WRITERS)}, got {self.redis_writer!r}")
         if not 0 < self.redis_writer_timeout_s <= 3600:
             raise ValueError(f"--redis-writer-timeout-s must be in (0, 3600], got {self.redis_writer_timeout_s}")
+        if self.redis_required and not self.redis_url:
+            raise ValueError("--redis-required needs --redis-url")
         if (self.redis_tls_ca is not None or self.redis_password is not None) and not self.redis_url:
             raise ValueError("--redis-tls-ca and --redis-password-file need --redis-url")
         if self.redis_tls_ca is not None and not self.redis_url.startswith("rediss://"):
@@ -513,7 +516,7 @@ def _mirror(
     a group's new primary). Redis may be down then: the writer claims and
     retries in the background."""
     try:
-        import redis  # noqa: F401 - only to say what is missing
+        import redis
     except ImportError as e:
         raise ValueError("--redis-url needs the redis package: pip install 'kv-manager-service[redis]'") from e
     from kv_manager_service.mirror.collector import CollectorOptions
@@ -532,11 +535,17 @@ def _mirror(
         ssl_ca_certs=None if options.redis_tls_ca is None else str(options.redis_tls_ca),
     )
     client = connect(endpoint)
+    if options.redis_required and topology(client) == "unknown":
+        try:
+            client.resolve()
+        except redis.RedisError as error:
+            raise ValueError(f"--redis-required, and the Redis of --redis-url does not answer: {error}") from None
     endpoint = same_topology(endpoint, client)  # the topology found, so that the other clients need not ask
     # The lookups' own connections, so that they never wait behind the writer; the timeout is their budget.
     budget_s = options.cluster_lookup_timeout_ms / 1000
     lookup_client = connect(dataclasses.replace(endpoint, timeout_s=budget_s))
-    log.info("the mirror's Redis at %s: %s", _redact(options.redis_url), topology(client))
+    if topology(client) != "unknown":
+        log.info("the mirror's Redis at %s: %s", _redact(options.redis_url), topology(client))
     schema = KeySchema(options.model_name, config.hash_algorithm.value, config.hash_seed)
 
     metrics = MirrorMetrics()

@@ -173,3 +173,42 @@ def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
         exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
         extra={"thread_name": thread},
     )
+
+
+class OutageLog:
+    """A dependency that stops answering, logged as an operator wants it: one WARNING when it fails, then
+    at most one every `every_s` while it stays down (with the count of failed calls), and one INFO when it
+    answers again. Thread-safe: every caller of the dependency reports to the same one."""
+
+    def __init__(self, logger: logging.Logger, what: str, while_down: str = "", every_s: float = 60.0) -> None:
+        """`what`: the dependency, as a sentence's subject; `while_down`: what the process does meanwhile."""
+        self.logger = logger
+        self.what = what
+        self.while_down = while_down
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._logged_at = 0.0
+        self._failures = 0
+
+    def failed(self, error: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._failures += 1
+            if self._down_since is None:
+                self._down_since = self._logged_at = now
+                self.logger.warning("%s is unreachable (%s)%s", self.what, error,
+                                    f"; {self.while_down}" if self.while_down else "")  # fmt: skip
+            elif now - self._logged_at >= self.every_s:
+                self._logged_at = now
+                self.logger.warning("%s is still unreachable after %.0f s (%d failed calls; the last: %s)",
+                                    self.what, now - self._down_since, self._failures, error)  # fmt: skip
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self._down_since is None:
+                return
+            self.logger.info("%s answers again after %.1f s (%d failed calls)",
+                             self.what, time.monotonic() - self._down_since, self._failures)  # fmt: skip
+            self._down_since = None
+            self._failures = 0

@@ -201,7 +201,7 @@ def test_frozen_redis_does_not_hold_rpcs_and_the_mirror_converges_after(redis_se
                 replica.client.stats()
             if i == 0:
                 # The writer is stuck on the frozen Redis meanwhile.
-                wait_until(a.log, lambda text: "mirror write failed" in text, CONVERGE_TIMEOUT_S,
+                wait_until(a.log, lambda text: "mirror's Redis" in text and "is unreachable" in text, CONVERGE_TIMEOUT_S,
                            "the writer to time out on the frozen Redis")
         # A cluster lookup cannot read Redis: it answers for this replica only, without an RPC error.
         hit, cluster = a.client.find_cache_hit(before, cluster=True)
