@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Sequence
 
 from gpu_worker.model_config import BUILTIN_MODELS
-from kv_manager_service.shared.arg_types import package_version
+from kv_manager_service.shared.arg_types import OneLineErrors, package_version
 from kv_manager_service.shared.logs import configure_logging
 
 WORKER_EXTRA_MODULES = ("torch", "safetensors", "numpy")  # the worker extra's imports (Triton only for its kernels)
 
 
 def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrors(
         prog="gpu-worker",
         usage="%(prog)s --manager HOST:PORT[,HOST:PORT...] [options]",
         description="Hold the KV cache of one kv-manager's pool and run a Llama-style decoder over it.",

@@ -140,3 +140,22 @@ def test_the_worker_without_its_extra_exits_2_with_one_line_naming_it():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "torch not installed" in lines[0] and "kv-manager-service[worker]" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "module, args, expected",
+    [
+        ("kv_manager_service.cli", ["serve", "--num-blocks", "abc"], "argument --num-blocks: invalid int value: 'abc'"),
+        ("gpu_worker.cli", ["--manager", "127.0.0.1:1", "--port", "x"], "argument --port: invalid int value: 'x'"),
+    ],
+)
+def test_a_mistyped_flag_is_one_line_not_the_usage(module, args, expected):
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and expected in done.stderr and "--help" in done.stderr, done.stderr
+
+
+def test_serve_help_puts_every_flag_in_a_topic():
+    help_text = make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    ungrouped = help_text.split("options:", 1)[1].split("\n\n", 1)[0]
+    assert ungrouped.split() == ["-h,", "--help", "show", "this", "help", "message", "and", "exit"], ungrouped

@@ -108,13 +108,16 @@ def test_the_wait_for_the_manager_is_a_documented_flag():
 def test_an_unknown_flag_is_the_error_reported(command):
     done = run([*command, "--bogus"])
     assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines()[-1].endswith("error: unrecognized arguments: --bogus"), done.stderr
+    (line,) = done.stderr.splitlines()  # one line, no usage before it
+    assert "error: unrecognized arguments: --bogus (see " in line and line.endswith(" --help)"), done.stderr
 
 
 def test_a_worker_without_manager_still_asks_for_it():
     done = run(GPU_WORKER)
     assert done.returncode == 2
-    assert done.stderr.splitlines()[-1] == "gpu-worker: error: the following arguments are required: --manager"
+    assert done.stderr.splitlines() == [
+        "gpu-worker: error: the following arguments are required: --manager (see gpu-worker --help)"
+    ]
 
 
 @pytest.mark.parametrize(

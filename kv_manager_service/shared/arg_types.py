@@ -1,8 +1,10 @@
-"""argparse value types shared by the command lines: each names the limit it enforces."""
+"""argparse value types shared by the command lines, each naming the limit it enforces, and the parser
+they share (one-line errors, the version)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 
 def positive_int(text: str) -> int:
@@ -35,3 +37,10 @@ def package_version() -> str:
         return version("kv-manager-service")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """An ArgumentParser whose mistakes are one line, naming `--help`, not the whole usage first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
