@@ -3,12 +3,13 @@
 #   docker build -f docker/manager.Dockerfile -t kv-manager:dev .
 #
 # The build stage compiles the install (the gRPC modules generated from proto/,
-# the core's optional C block encoder) into a virtual environment; the final
+# the core's optional C block encoder and its C hash chain, which needs
+# OpenSSL's headers) into a virtual environment; the final
 # image holds that environment and no compiler.
 
 FROM python:3.11-slim-bookworm AS build
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 WORKDIR /src

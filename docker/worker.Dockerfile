@@ -16,10 +16,10 @@ FROM python:3.11-slim-bookworm
 
 ARG TORCH_VARIANT=cpu
 
-# gcc builds the core's C block encoder at install time, and Triton's kernel
-# launchers at run time on a GPU.
+# gcc (with OpenSSL's headers) builds the core's C block encoder and hash chain
+# at install time, and Triton's kernel launchers at run time on a GPU.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \

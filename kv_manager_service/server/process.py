@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager
+from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager, hashing
 from kv_manager_service.shared.aio import AioInterceptor, EventLoopThread
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES, Journal
 from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_registry
@@ -627,6 +627,7 @@ def serve(config: KVCacheConfig, options: ServerOptions) -> int:
             "address": running.address,
         },
     )
+    log.info("sha256_cbor block hashes by %s", hashing.implementation())
     received = signals.wait()
     log.info("%s: shutting down, grace %.1fs", received.name, options.grace_s)
     running.stop(options.grace_s)

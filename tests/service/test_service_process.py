@@ -78,6 +78,15 @@ def test_the_start_line_says_the_memory_estimate_and_the_check_can_be_skipped(se
     assert done.returncode == 2 and "would need" not in done.stderr and "port" in done.stderr, done.stderr
 
 
+def test_the_start_says_which_hashing_implementation_runs(server_factory):
+    """A build without the C chain (no OpenSSL headers at install) is 3.6x slower per block: the log says so."""
+    from kv_manager_service.core import hashing
+
+    server = server_factory.start()
+    wait_for(lambda: "sha256_cbor block hashes by" in server.log_path.read_text(), "the hashing line")
+    assert hashing.implementation() in server.log_path.read_text()
+
+
 def test_block_size_with_groups_in_the_file_is_an_error(tmp_path):
     path = write_config(tmp_path, pool_config(11, 16))
     done = serve_and_fail("--config", str(path), "--block-size", "32")
