@@ -5,24 +5,30 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
 from kv_manager_service.cli.flags import add_pool_flags, build_config
 from kv_manager_service.core import KVCacheManager
 from kv_manager_service.shared.arg_types import fraction, positive_int
+from kv_tooling.cost_model import StepCostModel
+from kv_tooling import conversations
 from kv_tooling.demo_flags import add_demo_flags
-from kv_tooling.replay import ReplayConfig, ReplayProgress, replay
+from kv_tooling.replay import ARRIVALS, ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, load_trace
 
 
 def add_tool_commands(commands: argparse._SubParsersAction) -> None:
     replay = commands.add_parser(
         "replay",
-        help="replay the Mooncake trace through the block manager and report hits, usage and speed",
+        help="replay the Mooncake trace through the block manager and report prefill computed, hits and TTFT",
         description="Replays a Mooncake trace through the core with the reference scheduler's loop "
         "(continuous batching, chunked prefill, preemption on NO_SPACE). No model runs: only the block "
-        "manager works.",
+        "manager works, and a simulated clock advances by a cost model of each step (defaults: Llama-3-8B "
+        "in bf16 on one H200). Reports the prefill tokens computed, prefix hits on first admission (by "
+        "tier), preemptions, the host tier's copies, and TTFT/TPOT on the simulated clock.",
     )
     replay.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSON-lines trace (default: %(default)s)")
     replay.add_argument("--requests", type=positive_int, default=400, help="replay the first N requests (default %(default)s)")
@@ -34,7 +40,34 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
     )
     replay.add_argument("--token-budget", type=positive_int, default=8192, help="tokens per scheduler step (default %(default)s)")
     replay.add_argument("--max-running", type=positive_int, default=256, help="requests running at once (default %(default)s)")
+    replay.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default="trace",
+        help="trace: release each request at its trace timestamp (relative to the first); asap: every "
+        "request waits from the start, so concurrency is what the pool allows (default %(default)s)",
+    )
+    replay.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=1.0,
+        metavar="S",
+        help="multiply the gaps between trace timestamps by S (2: arrivals half as dense; default %(default)s)",
+    )
+    replay.add_argument(
+        "--report-json", type=Path, metavar="PATH", help="also write the figures to PATH as one JSON object"
+    )
+    add_cost_model_flags(replay)
     add_pool_flags(replay, default_num_blocks=100_000)
+
+    generator = commands.add_parser(
+        "conversations",
+        help="write a multi-turn conversation trace in the Mooncake format, for replay",
+        description="Generates a seeded trace of conversations whose turns extend the previous prompt with the "
+        "previous output and a new message (kv_tooling/conversations.py says how, and what it assumes), in the "
+        "Mooncake JSON-lines format that `kv-manager replay --trace` reads.",
+    )
+    conversations.add_arguments(generator)
 
     demo = commands.add_parser(
         "demo",
@@ -48,9 +81,52 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
     add_demo_flags(demo)
 
 
+def add_cost_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The step cost model's parameters (`cost_model.StepCostModel`); the defaults are its own."""
+    defaults = StepCostModel()
+    group = parser.add_argument_group(
+        "step cost model (the simulated clock; defaults: Llama-3-8B, bf16, on one H200, see kv_tooling/cost_model.py)"
+    )
+    for flag, value_type, help_text in (
+        ("--prefill-us-per-token", non_negative_float, "microseconds of compute per prefill token (default: "
+         "2 x 8.03e9 FLOPs at 40%% of 989 TFLOPS, %(default).1f)"),
+        ("--decode-step-ms", non_negative_float, "milliseconds per step with decode rows: the weights read once "
+         "(default: 16.06 GB at 4.8 TB/s, %(default).2f)"),
+        ("--decode-us-per-row", non_negative_float, "microseconds of compute per decode row (default: as a "
+         "prefill token, %(default).1f)"),
+        ("--hbm-gb-per-s", positive_float, "HBM bandwidth at which decode rows read their context's K and V, "
+         "in GB/s (default %(default).0f)"),
+        ("--link-gb-per-s", positive_float, "host link rate of the host tier's copies, offloads and onloads "
+         "together, in GB/s (default: PCIe Gen5 x16 effective, %(default).0f)"),
+    ):  # fmt: skip
+        name = flag[2:].replace("-", "_")
+        group.add_argument(flag, type=value_type, default=getattr(defaults, name), metavar="X", help=help_text)
+    group.add_argument(
+        "--kv-bytes-per-token", type=positive_int, default=defaults.kv_bytes_per_token, metavar="N",
+        help="bytes of K and V per token, all layers: decode reads and copy sizes (default: 2 x 32 layers x 8 KV "
+        "heads x 128 x 2 bytes, %(default)s)",
+    )  # fmt: skip
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def run_tool_command(args: argparse.Namespace) -> int:
     if args.command == "replay":
         return run_replay(args)
+    if args.command == "conversations":
+        return conversations.run(args)
     from kv_tooling.demo import run_demo  # torch and the worker: only when the demo runs
 
     return run_demo(args)
@@ -63,53 +139,101 @@ def run_replay(args: argparse.Namespace) -> int:
     records = load_trace(args.trace, limit=args.requests)
     manager = KVCacheManager(config)
     expander = TokenExpander(scale=args.scale)
-    replay_config = ReplayConfig(token_budget=args.token_budget, max_num_running=args.max_running, progress_every_steps=200)
+    # Each parameter's flag is its name: --prefill-us-per-token sets prefill_us_per_token.
+    cost_model = StepCostModel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StepCostModel)})
+    replay_config = ReplayConfig(
+        token_budget=args.token_budget,
+        max_num_running=args.max_running,
+        progress_every_steps=200,
+        arrivals=args.arrivals,
+        time_scale=args.time_scale,
+        cost_model=cost_model,
+    )
     block_size = config.groups[0].block_size
     print(
-        f"Replaying {len(records)} requests of {args.trace.name} (scale {args.scale}) through a pool of "
-        f"{config.num_blocks} blocks x {block_size} tokens, prefix caching "
+        f"Replaying {len(records)} requests of {args.trace.name} (scale {args.scale}, arrivals {args.arrivals}"
+        + (f", time scale {args.time_scale:g}" if args.arrivals == "trace" else "")
+        + f") through a pool of {config.num_blocks} blocks x {block_size} tokens, prefix caching "
         f"{'on' if config.enable_prefix_caching else 'off'}"
         + (f", host tier of {config.num_host_blocks} blocks" if config.num_host_blocks else ""),
         file=sys.stderr,
     )
 
     def show(p: ReplayProgress) -> None:
-        stats = manager.stats()
-        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         print(
             f"  step {p.num_steps:>6}: {p.num_completed:>5}/{len(records)} done, {p.num_running:>3} running, "
-            f"usage {p.usage:6.1%}, prefix hits {hit_rate:6.1%}",
+            f"{p.num_waiting:>5} waiting, usage {p.usage:6.1%}, clock {p.clock_s:8.1f} s",
             file=sys.stderr,
         )
 
     result = replay(manager, records, expander, replay_config, progress=show)
+    print_replay_report(result, manager.stats().num_evictions, with_tier=bool(config.num_host_blocks))
+    if args.report_json is not None:
+        report = {
+            "trace": args.trace.name,
+            "scale": args.scale,
+            "arrivals": args.arrivals,
+            "time_scale": args.time_scale,
+            "num_blocks": config.num_blocks,
+            "num_host_blocks": config.num_host_blocks,
+            "block_size": block_size,
+            "token_budget": args.token_budget,
+            "max_running": args.max_running,
+            **result.figures(),
+            "cost_model": dataclasses.asdict(cost_model),
+        }
+        args.report_json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def print_replay_report(result: ReplayResult, num_evictions: int, with_tier: bool) -> None:
+    """The console report: the figures of `ReplayResult.figures`, with rates and the wall time.
+
+    Hit rates are hits on first admission over the prompt tokens; re-admissions' hits are their own row.
+    """
+    prompt = max(result.num_prompt_tokens, 1)
+    computed = result.num_prefill_tokens_computed
+
+    def share(num_tokens: int) -> str:
+        return f"{num_tokens / prompt:.1%} ({num_tokens:,} tokens)"
+
     rows = [
         ("requests completed", f"{result.num_completed} / {result.num_requests}"),
         ("prompt tokens", f"{result.num_prompt_tokens:,}"),
         ("output tokens", f"{result.num_output_tokens:,}"),
         ("scheduler steps", f"{result.num_steps:,}"),
-        ("prefix-hit rate (tokens)", f"{result.prefix_hit_rate:.1%}"),
+        ("prefix-hit rate (tokens)", share(result.num_prefix_hit_tokens) + ", on first admission"),
+    ]
+    if with_tier:
+        rows += [
+            ("device hit rate (tokens)", share(result.num_prefix_hit_tokens - result.num_host_hit_tokens)),
+            ("host hit rate (tokens)", share(result.num_host_hit_tokens)),
+        ]
+    rows += [
+        ("re-admission hits", f"{result.num_readmission_hit_tokens:,} tokens (after preemption, not counted above)"),
+        ("prefill tokens computed", f"{computed:,} ({computed / prompt:.1%} of prompt tokens)"),
+        ("decode rows", f"{result.num_decode_rows:,}"),
         ("peak KV usage", f"{result.peak_usage:.1%}"),
         ("preemptions", f"{result.num_preemptions}"),
-        ("evictions", f"{manager.stats().num_evictions:,}"),
+        ("evictions", f"{num_evictions:,}"),
     ]
-    if config.num_host_blocks:
+    if with_tier:
         generated = max(result.num_output_tokens, 1)
         offloaded, onloaded = result.num_offloaded_blocks, result.num_onloaded_blocks
         rows += [
-            ("device hit rate (tokens)", f"{result.device_hit_rate:.1%}"),
-            ("host hit rate (tokens)", f"{result.host_hit_rate:.1%}"),
             ("offloaded blocks", f"{offloaded:,} ({offloaded / generated:.2f} per output token)"),
             ("onloaded blocks", f"{onloaded:,} ({onloaded / generated:.2f} per output token)"),
             ("host evictions", f"{result.num_host_evictions:,}"),
             ("offloads dropped (host pinned)", f"{result.num_dropped_offloads:,}"),
         ]
     rows += [
+        ("TTFT p50 / p99", f"{result.ttft_ms_p50:,.1f} / {result.ttft_ms_p99:,.1f} ms (simulated)"),
+        ("TPOT p50", f"{result.tpot_ms_p50:,.2f} ms (simulated)"),
+        ("makespan", f"{result.makespan_s:,.1f} s (simulated)"),
         ("wall time", f"{result.wall_s:.2f} s"),
-        ("requests per second", f"{result.requests_per_s:,.1f}"),
+        ("requests per second", f"{result.requests_per_s:,.1f} (wall time)"),
     ]
     width = max(len(name) for name, _ in rows)
     print("\nReplay report")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-    return 0

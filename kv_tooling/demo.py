@@ -247,7 +247,7 @@ def _sample(replicas: list[ReplicaStack], t_s: float, max_model_len: int) -> Sam
         own_max_slots=own_max,
         contiguous_slots=contiguous,
         num_prefix_hit_tokens=cached,
-        num_prefilled_tokens=admitted - cached,
+        prefill_tokens_computed=admitted - cached,
         num_offloaded_blocks=offloaded,
         num_onloaded_blocks=onloaded,
         offloaded_bytes=offloaded_bytes,

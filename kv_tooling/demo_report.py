@@ -54,7 +54,7 @@ class Sample:
     own_max_slots: int  # token slots reserving each request's own maximum (prompt + output limit)
     contiguous_slots: int  # token slots reserving max-model-len for each request
     num_prefix_hit_tokens: int  # admitted tokens found in the prefix cache since the demo started
-    num_prefilled_tokens: int  # admitted tokens computed since the demo started
+    prefill_tokens_computed: int  # admitted tokens computed since the demo started
     # The host tier's share since the demo started (all 0 without one).
     host_hit_rate: float = 0.0  # of hit_rate: tokens loaded from the host tier / looked-up tokens
     num_offloaded_blocks: int = 0  # device -> host copies
@@ -88,7 +88,7 @@ class Report:
     num_generated_tokens: int
     prefix_hit_rate: float
     num_prefix_hit_tokens: int
-    num_prefilled_tokens: int
+    prefill_tokens_computed: int
     prefill_tokens_per_s: float | None  # None: too few steps to measure it
     est_prefill_time_saved_s: float | None
     mean_usage: float
@@ -138,7 +138,8 @@ REPORT_UNITS: dict[str, str | dict[str, str]] = {
     "prefix_hit_rate": "fraction (0..1) of the tokens looked up on admission found in the prefix cache",
     "num_prefix_hit_tokens": "tokens found in the prefix cache on admission, so not prefilled "
     "(re-admissions after preemption included)",
-    "num_prefilled_tokens": "tokens prefilled after admission (recomputation after preemption included)",
+    "prefill_tokens_computed": "tokens computed in prefill passes, every token not computed by a decode step "
+    "(after a preemption, the prompt and the outputs so far again)",
     "prefill_tokens_per_s": "tokens/s of model time: the tokens computed by the steps that prefilled, over "
     "their model time",
     "est_prefill_time_saved_s": "s of model time: num_prefix_hit_tokens / prefill_tokens_per_s",
@@ -189,7 +190,7 @@ def build_report(
         num_generated_tokens=generated,
         prefix_hit_rate=last.hit_rate if last else 0.0,
         num_prefix_hit_tokens=num_prefix_hit_tokens,
-        num_prefilled_tokens=sum(
+        prefill_tokens_computed=sum(
             replica.scheduler.counters.num_admitted_tokens - replica.scheduler.counters.num_cached_tokens
             for replica in replicas
         ),
@@ -264,7 +265,7 @@ def print_report(report: Report) -> None:
         ("prefix-hit rate (tokens)", f"{report.prefix_hit_rate:.1%}"),
         *(tier_rows(report.host_tier) if report.host_tier is not None else ()),
         ("tokens found cached, not prefilled", f"{report.num_prefix_hit_tokens:,}"),
-        ("tokens prefilled", f"{report.num_prefilled_tokens:,}"),
+        ("prefill tokens computed", f"{report.prefill_tokens_computed:,}"),
         ("prefill time the hits saved", saved_time),
         ("KV usage, mean / peak", f"{report.mean_usage:.1%} / {report.peak_usage:.1%}"),
         ("requests per second", f"{report.requests_per_s:.2f}  ({report.generated_tokens_per_s:,.0f} generated tokens/s)"),
@@ -335,7 +336,7 @@ def build_figure(samples: Sequence[Sample], title: str, host_tier: bool = False)
     top.set_ylim(0, 100)
     top.set_title(title)
     middle.plot(t, [s.num_prefix_hit_tokens / 1e3 for s in samples], label="found cached:\nnot prefilled")
-    middle.plot(t, [s.num_prefilled_tokens / 1e3 for s in samples], label="prefilled")
+    middle.plot(t, [s.prefill_tokens_computed / 1e3 for s in samples], label="prefilled")
     middle.set_ylabel("thousand tokens\n(cumulative)")
     middle.set_ylim(bottom=0)
     bottom.plot(t, [s.num_running for s in samples], label="running")

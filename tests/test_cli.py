@@ -159,3 +159,17 @@ def test_serve_help_puts_every_flag_in_a_topic():
     help_text = make_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     ungrouped = help_text.split("options:", 1)[1].split("\n\n", 1)[0]
     assert ungrouped.split() == ["-h,", "--help", "show", "this", "help", "message", "and", "exit"], ungrouped
+
+
+def test_a_generated_conversation_trace_replays_on_the_trace_clock(tmp_path):
+    trace, report = tmp_path / "conversations.jsonl", tmp_path / "report.json"
+    done = run_cli("conversations", "--requests", "60", "--seed", "3", "--output", str(trace))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("60 requests in "), done.stdout
+    done = run_cli("replay", "--trace", str(trace), "--requests", "60", "--scale", "0.05", "--num-blocks", "4000",
+                   "--arrivals", "trace", "--report-json", str(report))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(report.read_text())
+    assert figures["num_completed"] == 60
+    assert figures["prefill_tokens_computed"] >= figures["prompt_tokens"] - figures["prefix_hit_tokens"]
+    assert figures["ttft_ms_p50"] > 0 and figures["makespan_s"] > 0

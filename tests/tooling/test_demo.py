@@ -27,7 +27,7 @@ from kv_tooling.demo_report import REPORT_UNITS, TIER_UNITS, Report, Sample, Tie
 
 REPORT_FIELDS = {
     "trace_file", "trace_start_index", "num_requests", "num_completed", "prefix_hit_rate", "num_prefix_hit_tokens",
-    "num_prefilled_tokens", "prefill_tokens_per_s", "est_prefill_time_saved_s", "mean_usage", "peak_usage",
+    "prefill_tokens_computed", "prefill_tokens_per_s", "est_prefill_time_saved_s", "mean_usage", "peak_usage",
     "requests_per_s", "step_ms_p50", "step_ms_p99", "num_preemptions", "num_kv_lost", "paged_real_token_share",
     "own_max_real_token_share", "contiguous_real_token_share", "requests_per_replica",
 }  # fmt: skip
@@ -81,7 +81,7 @@ def test_the_local_demo_reports_on_paging(tmp_path):
     assert report["trace_start_index"] == 0 and report["trace_file"] == DEFAULT_TRACE.name
     assert report["num_requests"] == report["num_completed"] == 12
     # The manager's hit rate and the scheduler's token counts agree: hits over the tokens looked up.
-    looked_up = report["num_prefix_hit_tokens"] + report["num_prefilled_tokens"]
+    looked_up = report["num_prefix_hit_tokens"] + report["prefill_tokens_computed"]
     assert looked_up >= report["num_prompt_tokens"]  # re-admissions after preemption look up again
     assert report["num_prefix_hit_tokens"] == pytest.approx(report["prefix_hit_rate"] * looked_up)
     assert report["prefill_tokens_per_s"] > 0
@@ -112,7 +112,7 @@ def test_the_local_demo_with_a_host_tier_reports_hits_by_tier_and_the_copy_volum
     assert tier["device_hit_rate"] + tier["host_hit_rate"] == pytest.approx(report["prefix_hit_rate"])
     assert tier["host_hit_rate"] > 0 and tier["num_offloaded_blocks"] > 0 and tier["num_onloaded_blocks"] > 0
     # Every host-hit block is one onload, 16 tokens each.
-    looked_up = report["num_prefix_hit_tokens"] + report["num_prefilled_tokens"]
+    looked_up = report["num_prefix_hit_tokens"] + report["prefill_tokens_computed"]
     assert tier["num_onloaded_blocks"] * 16 == pytest.approx(tier["host_hit_rate"] * looked_up)
     # tiny, float32 on the CPU: 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 bytes per block.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
@@ -192,7 +192,7 @@ def test_the_figure_legends_sit_outside_the_plotted_data():
     samples = [
         Sample(t_s=t, usage=t / 10, hit_rate=0.5, num_running=4, num_waiting=10 - t, num_completed=t,
                num_preemptions=t // 3, real_tokens=100, paged_slots=112, own_max_slots=150, contiguous_slots=2048,
-               num_prefix_hit_tokens=500 * t, num_prefilled_tokens=400 * t)
+               num_prefix_hit_tokens=500 * t, prefill_tokens_computed=400 * t)
         for t in range(10)
     ]  # fmt: skip
     figure = build_figure(samples, "title")
