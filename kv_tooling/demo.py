@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 from kv_manager_service.client import KVManagerClient
-from kv_tooling.launch import LaunchedProcess, launch
+from kv_tooling.launch import Interrupted, LaunchedProcess, launch, stopped_on_signals
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX, NotReadyError
 from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, TraceRecord, load_trace
 from kvcache.v1 import kv_manager_pb2 as pb
@@ -57,6 +57,17 @@ class ReplicaStack:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo; on SIGTERM, SIGHUP or SIGINT, stop the manager and worker it started, say so in one
+    line, and exit 128 + the signal's number."""
+    try:
+        with stopped_on_signals():
+            return _run_demo(args)
+    except Interrupted as stop:
+        print(f"kv-manager demo: {stop}: stopped, with the manager and worker it started", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _run_demo(args: argparse.Namespace) -> int:
     trace = args.trace or DEFAULT_TRACE
     start = trace_start(args)
     if not trace.exists():

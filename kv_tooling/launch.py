@@ -13,8 +13,9 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 from kv_manager_service.shared.ready_line import NotReadyError, wait_for_ready_line
 
@@ -23,6 +24,34 @@ if TYPE_CHECKING:
 
 PROBE_INTERVAL_S = 0.02
 LOG_TAIL_CHARS = 4000
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class Interrupted(Exception):
+    """A stop signal arrived (`stopped_on_signals`): the `with` body ends, so its `finally` blocks run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stopped_on_signals() -> Iterator[None]:
+    """Within it, SIGTERM, SIGHUP and SIGINT raise Interrupted (in the main thread), so a program that
+    started children stops them in its `finally` blocks instead of leaving them to run on. The first
+    signal ignores the later ones, so the stopping is not cut short; the handlers are restored after."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        for other in STOP_SIGNALS:
+            signal.signal(other, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class LaunchedProcess:

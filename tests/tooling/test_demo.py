@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import matplotlib.pyplot
 import pytest
@@ -203,3 +206,43 @@ def test_the_figure_legends_sit_outside_the_plotted_data():
         assert legend is not None and legend.get_texts(), axes.get_ylabel()
         assert not legend.get_window_extent(renderer).overlaps(axes.get_window_extent(renderer)), axes.get_ylabel()
     matplotlib.pyplot.close(figure)
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signalled_demo_stops_its_manager_and_worker_and_says_so_in_one_line(tmp_path, signum):
+    out = tmp_path / "out"
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kv_manager_service.cli", "demo", "--output-dir", str(out), "--no-progress",
+         "--requests", "400", "--model", "tiny", "--num-blocks", "96", "--max-running", "8"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(demo.pid)) < 2:  # its manager and its worker
+            assert demo.poll() is None and time.monotonic() < deadline, demo.communicate()
+            time.sleep(0.05)
+        children = _children(demo.pid)
+        demo.send_signal(signum)
+        _, stderr = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 128 + signum, stderr
+    assert not [child for child in children if _alive(child)], "a child outlived the demo"
+    last = stderr.strip().splitlines()[-1]
+    assert last == f"kv-manager demo: {signum.name}: stopped, with the manager and worker it started", stderr
+    assert "Traceback" not in stderr
