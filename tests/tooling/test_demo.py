@@ -227,7 +227,7 @@ def test_a_signalled_demo_stops_its_manager_and_worker_and_says_so_in_one_line(t
     out = tmp_path / "out"
     demo = subprocess.Popen(
         [sys.executable, "-m", "kv_manager_service.cli", "demo", "--output-dir", str(out), "--no-progress",
-         "--requests", "400", "--model", "tiny", "--num-blocks", "96", "--max-running", "8"],
+         "--requests", "400", "--model", "tiny", "--num-blocks", "1024", "--max-running", "8"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
