@@ -5,6 +5,8 @@
 #   redis-server, redis-cli   the mirror tests start their own Redis servers and a Redis Cluster
 #   node, npm                 the Node.js example's test, and buf (tools/buf) for the contract's checks
 #   docker-compose            validates the compose files (no container engine is needed)
+#   promtool                  checks and unit-tests docker/observability's Prometheus rules and config
+#                             (Debian's prometheus package, which brings the server too)
 #
 # Debian's packages, without recommends, as root or through sudo. Without
 # either (or without apt-get), it names what to install and exits 1.
@@ -12,9 +14,10 @@ set -euo pipefail
 
 declare -A package_of=(
     [redis-server]=redis-server [redis-cli]=redis-server [node]=nodejs [npm]=npm [docker-compose]=docker-compose
+    [promtool]=prometheus
 )
 missing=()
-for command in redis-server redis-cli node npm docker-compose; do
+for command in redis-server redis-cli node npm docker-compose promtool; do
     if ! command -v "$command" >/dev/null; then
         package=${package_of[$command]}
         [[ " ${missing[*]} " == *" $package "* ]] || missing+=("$package")
