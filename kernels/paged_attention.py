@@ -257,6 +257,15 @@ def _merge_kv_splits_kernel(
 # so the launcher upcasts loaded tiles to fp32 exactly then; fixed once, at import.
 INTERPRETED: bool = isinstance(_paged_attention_kernel, InterpretedFunction)
 
+if INTERPRETED:
+    # Triton imports its gluon package lazily, at the first launch, and that import requires the
+    # interpreter to be on at that moment (Triton 3.7 asserts it): import it now, while
+    # TRITON_INTERPRET is set, so that a later change of the variable cannot break a launch.
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:  # a Triton without gluon imports nothing lazily
+        pass
+
 
 class PagedAttentionConfig(NamedTuple):
     """Launch parameters of one paged attention call (see `paged_attention_config`)."""

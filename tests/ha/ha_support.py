@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from processes import free_port, launch, launch_redis, stop_all
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from svc_support import connect, op_alloc, op_free, step_request  # noqa: E402
 
 SERVICE = "kvcache.v1.KVManagerService"
+IN_SYNC_KEY = "kvcache:ha:{r}:isr"  # the group's in-sync set in Redis (server/leadership.py), replica id "r"
 NUM_BLOCKS = 256
 LEASE_MS = 1200
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -116,11 +118,23 @@ class Group:
             time.sleep(0.02)
 
     def wait_in_sync(self, standby: LaunchedProcess, primary: LaunchedProcess, timeout_s: float = 10.0) -> None:
-        """Until the primary's log says the standby joined the in-sync set (after `standby` started)."""
+        """Until Redis lists `standby` in the group's in-sync set, as the primary's log names it (its
+        latest stream): a log line alone could be of an earlier term, before the set was rewritten."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=1)
         deadline = time.monotonic() + timeout_s
-        while "is in sync" not in _lines_since(primary, standby):
-            assert time.monotonic() < deadline, f"{standby.address} never got in sync:\n{primary.log()[-3000:]}"
-            time.sleep(0.02)
+        try:
+            while True:
+                member_id = _member_id(primary, standby)
+                try:
+                    in_sync = {m.decode() for m in client.smembers(IN_SYNC_KEY)}
+                except redis.RedisError:
+                    in_sync = set()
+                if member_id is not None and member_id in in_sync:
+                    return
+                assert time.monotonic() < deadline, f"{standby.address} never got in sync:\n{primary.log()[-3000:]}"
+                time.sleep(0.02)
+        finally:
+            client.close()
 
     def close(self) -> list[str]:
         for member in self.members:
@@ -129,12 +143,11 @@ class Group:
         return stop_all([m for m in self.members if not m.killed])
 
 
-def _lines_since(primary: LaunchedProcess, standby: LaunchedProcess) -> str:
-    """The primary's log lines that mention the standby's address's member (its 'follows' line names it)."""
-    text = primary.log()
-    port = standby.address.rsplit(":", 1)[1]
-    member_ids = {line.split("standby ", 1)[1].split(" ", 1)[0] for line in text.splitlines() if f":{port} follows" in line}
-    return "\n".join(line for line in text.splitlines() if any(m in line for m in member_ids))
+def _member_id(primary: LaunchedProcess, standby: LaunchedProcess) -> str | None:
+    """The member id of `standby`'s latest Follow stream, as the primary's log names it."""
+    marker = f" at {standby.address} follows"
+    ids = [line.split("standby ", 1)[1].split(" ", 1)[0] for line in primary.log().splitlines() if marker in line]
+    return ids[-1] if ids else None
 
 
 class KeyedClients:
