@@ -237,8 +237,8 @@ class GroupMember:
         if holder is not None:
             self._absent_since = None
             if holder.token < self.replica.token or (holder.token <= self.led_token and holder.member_id != self.member_id):
-                log.error("the lease names token %d, below %d already seen: Redis lost its data; not following "
-                          "it (see the README's High availability section)", holder.token, self.replica.token)
+                self._warn_once(f"the lease names token {holder.token}, below {self.replica.token} already seen: "
+                                "Redis lost its data; not following it (docs/high-availability.md)")
                 return
             if holder.member_id == self.member_id:
                 return  # our own lease from before a restart: it lapses, then we may take it again
