@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from processes import launch, stop_all
@@ -134,3 +136,32 @@ class DenseOracle:
 
 def greedy() -> Sampling:
     return Sampling(GREEDY.temperature, GREEDY.seed)
+
+
+def run_interrupted(scheduler: ReferenceScheduler, interrupt: Callable[[], None], after_steps: int = 6) -> None:
+    """Run `scheduler` to the end, with `interrupt` called in a thread once `after_steps` steps are done,
+    10 ms later, so that it lands inside the scheduler's next Step or Execute. Fails unless it ran."""
+    done = threading.Event()
+
+    def run() -> None:
+        time.sleep(0.01)
+        interrupt()
+        done.set()
+
+    thread = threading.Thread(target=run)
+    while scheduler.has_work:
+        scheduler.step()
+        if len(scheduler.timings) == after_steps:
+            thread.start()
+    scheduler.flush()
+    thread.join(timeout=60)
+    assert done.is_set(), "the interruption never ran"
+
+
+def check_unchanged(model: str, reference: Sequence[Request], requests: Sequence[Request]) -> None:
+    """Each request produced what its counterpart of an uninterrupted run did, and what the dense pass chooses."""
+    for calm, request in zip(reference, requests, strict=True):
+        assert request.output == calm.output, request.request_id
+    oracle = DenseOracle(model)
+    for request in requests:
+        oracle.check(request)

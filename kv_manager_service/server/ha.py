@@ -252,7 +252,7 @@ class GroupMember:
                 self._retry_at = time.monotonic() + self._retry_s
                 if follower is not None:
                     follower.stop()
-                self._follower = Follower(self, holder.address, holder.token, quiet=again)
+                self._follower = Follower(self, holder.address, quiet=again)
             return
         try:
             try:

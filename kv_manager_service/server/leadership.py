@@ -168,9 +168,6 @@ class Leadership:
         """Add a member to the in-sync set or remove one, under our token: False when the lease is not ours."""
         return bool(self._change(keys=[self.keys[0], self.keys[2]], args=[token, "add" if add else "remove", member_id]))
 
-    def in_sync(self) -> set[str]:
-        return {m.decode() for m in self.client.smembers(self.keys[2])}
-
     def release(self, token: int, dissolve: bool = False) -> None:
         """Give the lease up now (a clean stop), so a standby need not wait for it to lapse. `dissolve`:
         delete the in-sync set too (no member holds the group's state any more), so a new member may

@@ -51,7 +51,6 @@ MESSAGE_BYTES = 4 << 20  # a message of records stops growing past this (one rec
 
 @dataclass
 class _Standby:
-    address: str
     acked_seq: int  # it holds every record up to this one
     streams: int = 1  # its open Follow streams (a reconnection may open one before the last ends)
     in_sync: bool = False  # Redis lists it in the in-sync set: every commit waits for it
@@ -96,15 +95,14 @@ class Commit:
         with self._changed:
             return [m for m, s in self._standbys.items() if s.in_sync and s.acked_seq < seq]
 
-    def connect(self, member_id: str, address: str, acked_seq: int) -> None:
+    def connect(self, member_id: str, acked_seq: int) -> None:
         """A standby's stream opened; `acked_seq`: what it holds (an in-sync one keeps what it acknowledged)."""
         with self._changed:
             standby = self._standbys.get(member_id)
             if standby is None:
-                self._standbys[member_id] = _Standby(address, acked_seq)
+                self._standbys[member_id] = _Standby(acked_seq)
             else:
                 standby.streams += 1
-                standby.address = address
 
     def disconnect(self, member_id: str) -> bool:
         """A standby's stream ended: True when it has no other and Redis lists it in the in-sync set (it
@@ -222,7 +220,7 @@ class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
             end_call(context, error)
             return
         commit = member.commit
-        commit.connect(first.member_id, first.address, start - 1 if snapshot is None else 0)
+        commit.connect(first.member_id, start - 1 if snapshot is None else 0)
         log.info(
             "standby %s at %s follows from record %d%s", first.member_id, first.address, start,
             " (after a snapshot)" if snapshot is not None else "", extra={"member_id": first.member_id},
@@ -296,13 +294,12 @@ class Follower:
     """A standby's stream from its primary, a task on the server's event loop: acknowledges each
     message's records and applies them (in the thread pool, so the loop never waits for the lock)."""
 
-    def __init__(self, member: GroupMember, address: str, token: int, quiet: bool = False) -> None:
+    def __init__(self, member: GroupMember, address: str, quiet: bool = False) -> None:
         """`quiet`: a failure to follow is logged at DEBUG only (the last try at this address failed too)."""
         self.member = member
         self.quiet = quiet
         self.failed = False
         self.address = address
-        self.token = token
         self._stopped = threading.Event()
         self._applied = threading.Event()  # set while no apply is under way
         self._applied.set()

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 import time
 
-from e2e_support import DenseOracle
+from e2e_support import check_unchanged, run_interrupted
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 import grpc
 from kv_manager_service.client import KVManagerClient
@@ -85,27 +84,8 @@ def test_a_primary_killed_mid_generation_is_replaced_and_the_worker_follows(tmp_
 
         scheduler = ReferenceScheduler(manager, worker, config_)
         requests = workload("failover", scheduler)
-        killed = threading.Event()
-
-        def kill_primary() -> None:
-            time.sleep(0.01)  # lands inside the scheduler's next Step or Execute
-            primary.kill()
-            killed.set()
-
-        killer = threading.Thread(target=kill_primary)
-        while scheduler.has_work:
-            scheduler.step()
-            if len(scheduler.timings) == 6:
-                killer.start()
-        scheduler.flush()
-        killer.join(timeout=60)
-        assert killed.is_set()
-
-        for calm, request in zip(reference, requests):
-            assert request.output == calm.output, request.request_id
-        oracle = DenseOracle(MODEL)
-        for request in requests:
-            oracle.check(request)
+        run_interrupted(scheduler, primary.kill)
+        check_unchanged(MODEL, reference, requests)
         assert serving(standby.address)
         assert manager.stats().num_requests == 0
         # The worker did not restart, and the new primary knows it as it was: no cache emptied for it.

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 import time
 
-from e2e_support import DenseOracle
+from e2e_support import check_unchanged, run_interrupted
 from kv_manager_service.client import KVManagerClient
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, WORKER_READY_PREFIX
 from processes import free_port, launch, stop_all
@@ -54,30 +53,15 @@ def test_a_manager_killed_mid_generation_resumes_from_its_journal(tmp_path):
 
         scheduler = ReferenceScheduler(manager, worker, config_)
         requests = workload("killed", scheduler)
-        killed = threading.Event()
 
         def kill_and_restart() -> None:
-            time.sleep(0.01)  # lands inside the scheduler's next Step or Execute
             victim = processes[0]
             victim.kill()
-            killed.set()
             time.sleep(0.3)  # the scheduler's calls fail meanwhile, and are retried
             processes[0:1] = [victim, launch(manager_argv, MANAGER_READY_PREFIX, tmp_path / "manager-1.log")]
 
-        killer = threading.Thread(target=kill_and_restart)
-        while scheduler.has_work:
-            scheduler.step()
-            if len(scheduler.timings) == 6:
-                killer.start()
-        scheduler.flush()
-        killer.join(timeout=60)
-        assert killed.is_set()
-
-        for calm, request in zip(reference, requests):
-            assert request.output == calm.output, request.request_id
-        oracle = DenseOracle(MODEL)
-        for request in requests:
-            oracle.check(request)
+        run_interrupted(scheduler, kill_and_restart)
+        check_unchanged(MODEL, reference, requests)
         stats = manager.stats()
         assert stats.num_requests == 0
         restarted_log = (tmp_path / "manager-1.log").read_text()
