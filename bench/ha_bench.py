@@ -22,7 +22,7 @@ shared 2-core machine. Then, once, with no load while a standby catches up:
    the in-sync set after the sync timeout), then resumed, and timed until the primary logs it "is in
    sync" again; the snapshot: a fresh standby takes its place, and is timed until it is in sync (the
    primary sends it a snapshot of its whole state, then the records after it). The snapshot's size is
-   that of one this script asks for right after, on the same state, through a Follow stream of its own.
+   that of one this script asks for right after, on the same state, through a connection of its own.
    A standby that never gets in sync is reported, with what its retries cost the primary's Step, and
    the script then exits 1 after its report.
 
@@ -42,14 +42,14 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench_stats import (
@@ -64,10 +64,10 @@ from rpc_bench import (
 
 from kv_tooling.launch import LaunchedProcess, free_port, launch, launch_redis
 from kv_manager_service.client import KVManagerClient
+from kv_manager_service.server import replication_link
 from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX, NotReadyError
 from kvcache.journal.v1 import journal_pb2 as jpb
 from kvcache.replication.v1 import replication_pb2 as rpb
-from kvcache.replication.v1 import replication_pb2_grpc as rpb_grpc
 
 SERVICE = "kvcache.v1.KVManagerService"  # SERVING on the primary only
 NUM_REQUESTS = 256
@@ -246,25 +246,21 @@ class Group:
         self.redis.kill()
 
 
-def probe_snapshot(address: str) -> tuple[int, int, float]:
-    """Follow the primary as a new member would, take the snapshot it sends first, and hang up:
-    (the last record it holds, its size in bytes, seconds from the call to its arrival)."""
-    stop = threading.Event()
-
-    def requests() -> Iterator[rpb.FollowRequest]:
-        yield rpb.FollowRequest(member_id="ha-bench-probe", address="127.0.0.1:9")
-        stop.wait()
-
-    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)]) as channel:
-        start = now_ns()
-        call = rpb_grpc.ReplicationServiceStub(channel).Follow(requests())
-        try:
-            first = next(call)
-            elapsed_s = (now_ns() - start) / 1e9
-        finally:
-            stop.set()
-            call.cancel()
-    (payload,) = first.records
+def probe_snapshot(redis_url: str) -> tuple[int, int, float]:
+    """Follow the primary as a new member would, at the replication address its lease names, take the
+    snapshot it sends first, and hang up: (the last record it holds, its size in bytes, seconds from the
+    connection to its arrival)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        replication_address = client.get("kvcache:ha:{ha-bench}:lease").decode().split(" ")[3]
+    finally:
+        client.close()
+    # A history no primary holds: it is sent a snapshot at once.
+    hello = rpb.FollowRequest(member_id="ha-bench-probe", address="127.0.0.1:9", last_seq=1, last_token=1 << 62)
+    start = now_ns()
+    answer = rpb.FollowResponse.FromString(replication_link.ask(replication_address, hello.SerializeToString()))
+    elapsed_s = (now_ns() - start) / 1e9
+    (payload,) = answer.records
     record = jpb.JournalRecord.FromString(payload)
     assert record.WhichOneof("entry") == "snapshot", record.WhichOneof("entry")
     return record.seq, len(payload), elapsed_s
@@ -354,7 +350,7 @@ class CatchUp:
     num_bytes: int = 0  # the snapshot's size
     num_tail_records: int = 0  # records after the snapshot, before it was in sync
     start_to_sync_s: float = 0.0  # a fresh standby: from its process's start
-    probe_s: float = 0.0  # the snapshot's making and sending, as this script's own Follow stream saw it
+    probe_s: float = 0.0  # the snapshot's making and sending, as this script's own connection saw it
 
 
 def pause_and_resume(group: Group, standby: LaunchedProcess, client: KVManagerClient, work: Workload,
@@ -389,7 +385,7 @@ def join_fresh(group: Group) -> tuple[LaunchedProcess, CatchUp]:
     cpu = cpu_s(fresh.pid) - cpu_before
     assert "after a snapshot" in follows["msg"], follows["msg"]
     snapshot_seq = record_number(follows, "follows from record") - 1
-    seq, num_bytes, probe_s = probe_snapshot(primary.address)
+    seq, num_bytes, probe_s = probe_snapshot(group.url)
     if synced is None:
         return fresh, CatchUp("snapshot", snapshot_seq, time.time() - log_time(follows), cpu, failure, num_bytes,
                               probe_s=probe_s)  # fmt: skip
@@ -537,7 +533,7 @@ def render(results: Results, catch_ups: Sequence[CatchUp], stuck: StuckCost | No
         "",
         "Until in sync: from SIGCONT (the tail) or from the primary's 'follows' line (the snapshot) to its "
         "'is in sync' line, by their log times. The standby's CPU: from SIGCONT, or from the fresh one's ready "
-        "line. The snapshot's making and sending alone, as a Follow stream of this script's own saw it right after, "
+        "line. The snapshot's making and sending alone, as a connection of this script's own saw it right after, "
         f"on the same state: {', '.join(f'{fmt(c.probe_s)} s' for c in catch_ups if c.how == 'snapshot')}.",
     ]
     lines += [f"FAILED: the {c.how} of {c.num_records:,} records: {c.failure}" for c in catch_ups if c.failure]

@@ -5,15 +5,15 @@ and listens on the ports its command names. On one machine all of them share
 127.0.0.1, so `LocalPlan` gives each (service, port) pair a free local port and
 rewrites a command only where one machine must differ:
 
-| in the compose file                          | locally                                          |
-|----------------------------------------------|--------------------------------------------------|
-| the program (`kv-manager`, `redis-cli`, ...) | this Python environment's script, else `PATH`'s  |
-| `--host 0.0.0.0`                             | `--host 127.0.0.1`                               |
-| `--port P`, `--metrics-port P`               | the local port of (this service, P)              |
-| `SERVICE:P` inside any argument              | `127.0.0.1:` the local port of (SERVICE, P)      |
-| `127.0.0.1:P`, `localhost:P`                 | the local port of (this service, P): a           |
-|                                              | healthcheck probes its own container             |
-| a program on its default port (redis-server) | that port made explicit, bound to 127.0.0.1      |
+| in the compose file                                       | locally                                          |
+|-----------------------------------------------------------|--------------------------------------------------|
+| the program (`kv-manager`, `redis-cli`, ...)              | this Python environment's script, else `PATH`'s  |
+| `--host 0.0.0.0`                                          | `--host 127.0.0.1`                               |
+| `--port P`, `--metrics-port P`, `--ha-replication-port P` | the local port of (this service, P)              |
+| `SERVICE:P` inside any argument                           | `127.0.0.1:` the local port of (SERVICE, P)      |
+| `127.0.0.1:P`, `localhost:P`                              | the local port of (this service, P): a           |
+|                                                           | healthcheck probes its own container             |
+| a program on its default port (redis-server)              | that port made explicit, bound to 127.0.0.1      |
 
 `SERVICE:P` covers `manager-a:50051`, `redis://redis:6379/0`, the demo's
 `manager-a:50051=worker-a:50061` and a group's
@@ -40,7 +40,7 @@ from processes import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 # Flags whose value is a port the program listens on.
-PORT_FLAGS = ("--port", "--metrics-port")
+PORT_FLAGS = ("--port", "--metrics-port", "--ha-replication-port")
 # Programs that listen on a default port when no port flag is given, and the
 # arguments that bind them to the loopback interface.
 DEFAULT_PORTS = {"redis-server": 6379}

@@ -144,9 +144,14 @@ def make_parser() -> argparse.ArgumentParser:
         "the port really bound; set it when --host is 0.0.0.0)",
     )  # fmt: skip
     ha.add_argument(
+        "--ha-replication-port", type=int, default=0, metavar="PORT",
+        help="the port, on --host, where this member's standbys follow it when it leads; the group's lease in "
+        "Redis names it with the host of --advertise-address (default 0: a free port)",
+    )  # fmt: skip
+    ha.add_argument(
         "--ha-token-file", type=Path, metavar="FILE",
         help="with --auth-token-file: the token this member follows the primary with (one line), whose entry in "
-        "the token file has role: member; the members' replication stream takes that role only",
+        "the token file has role: member; the replication listener lets in that role only, and it may call no RPC",
     )  # fmt: skip
     ha.add_argument(
         "--ha-tls-ca", type=Path, metavar="FILE", help="with --tls-cert: the CA that signed the other members' certificates"
@@ -269,6 +274,7 @@ def run_serve(args: argparse.Namespace) -> int:
         ha=HAOptions(lease_s=args.ha_lease_ms / 1000, sync_timeout_s=args.ha_sync_timeout_ms / 1000),
         ha_token=security.read_token_file(args.ha_token_file) if args.ha_token_file else None,
         ha_tls=security.client_tls(args.ha_tls_ca, args.ha_tls_cert, args.ha_tls_key),
+        ha_replication_port=args.ha_replication_port,
         **security_options(args),
     )
     return serve(config, options)

@@ -21,7 +21,7 @@ Rules each role change keeps:
 - on promotion, the new token is taken before anything is accepted, the
   workers' leases restart (they had no chance to call), and the serving
   callbacks (health, mirror, worker expiry) run; on stepping down they are
-  undone and the streams of workers and standbys end, so they look for the
+  undone, and the streams of workers and the connections of standbys end, so they look for the
   new primary;
 - a member that has seen a higher token than the lease's (Redis lost its
   data and handed out an older one) follows no one under it, and says so.
@@ -37,13 +37,13 @@ import uuid
 from concurrent.futures import Executor
 from typing import Callable
 
-import grpc
 import redis
 
-from kv_manager_service.server.ha_options import HAOptions
+from kv_manager_service.server.ha_options import HAOptions, MemberLink
 from kv_manager_service.server.leadership import Leadership, LeaseHolder, NoGroupError, NotInSyncError
 from kv_manager_service.server.replica import Replica
-from kv_manager_service.server.replication import Commit, Follower
+from kv_manager_service.server import replication_link
+from kv_manager_service.server.replication import Commit, Follower, ReplicationListener
 from kv_manager_service.shared.errors import NotPrimaryError
 
 log = logging.getLogger("kv_manager_service.server.ha")
@@ -60,23 +60,21 @@ class GroupMember:
         options: HAOptions,
         pool: Executor,
         loop: asyncio.AbstractEventLoop,
-        channel: Callable[[str], grpc.aio.Channel],
         on_serving: Callable[[bool], None],
-        token: str | None = None,
+        link: MemberLink = MemberLink(),
     ) -> None:
-        """`address`: what the other members and clients reach this one at. `channel(address)`: a
-        grpc.aio channel to another member (made on the loop that uses it), with TLS when the members
-        serve it; `token`: the member-role bearer token its calls carry. `on_serving(True)` runs once
-        this member is primary, `on_serving(False)` once it no longer is."""
+        """`address`: what the other members and clients reach this one at; its host with the port of
+        the replication listener (`link`) is the replication address. `on_serving(True)` runs once this
+        member is primary, `on_serving(False)` once it no longer is."""
         self.replica = replica
         self.options = options
         self.member_id = replica.journal.member_id if replica.journal is not None else uuid.uuid4().hex
         self.address = address
         self.pool = pool
-        self.channel = channel
-        self.call_metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.bearer_token = link.bearer_token
+        self.client_ssl = replication_link.client_context(link.client_tls)
+        self.server_name = link.client_tls.server_name if link.client_tls is not None else None
         self.on_serving = on_serving
-        self.leadership = Leadership(client, replica.replica_id, self.member_id, address, options.lease_s)
         self.commit = Commit(loop)
         self.token = 0  # the token this member serves under; 0 while it is a standby
         self.led_token = 0  # the token of this member's last term as primary (0: it never led)
@@ -87,6 +85,12 @@ class GroupMember:
         self._absent_since: float | None = None  # monotonic: since when no lease and no in-sync set were seen
         self._warned: str | None = None  # the last warning `_warn_once` logged
         self._stopped = threading.Event()
+        self.listener = ReplicationListener(self, link.host, link.port, link.server_tls, link.tokens)
+        host, _ = replication_link.split_address(address)
+        self.replication_address = f"{host}:{self.listener.port}"
+        self.leadership = Leadership(
+            client, replica.replica_id, self.member_id, address, self.replication_address, options.lease_s
+        )
         replica.enable_history(options.history_retention, options.history_retention_bytes)
         replica.primary_check = self.check
         self._thread = threading.Thread(target=self._run, name="ha-member", daemon=True)
@@ -100,6 +104,7 @@ class GroupMember:
         self._thread.join()
         if self._follower is not None:
             self._follower.stop()
+        self.listener.close()
         if self.token:
             token = self.token
             # The last holder of a state no journal keeps: the group starts over, empty, with its next member.
@@ -243,8 +248,9 @@ class GroupMember:
             if holder.member_id == self.member_id:
                 return  # our own lease from before a restart: it lapses, then we may take it again
             follower = self._follower
-            if follower is None or not follower.alive or follower.address != holder.address:
-                again = follower is not None and follower.failed and follower.address == holder.address
+            address = holder.replication_address
+            if follower is None or not follower.alive or follower.address != address:
+                again = follower is not None and follower.failed and follower.address == address
                 if again and time.monotonic() < self._retry_at:
                     return
                 # Failing again at the same address: wait longer each time, up to a lease, and log it once.
@@ -252,7 +258,7 @@ class GroupMember:
                 self._retry_at = time.monotonic() + self._retry_s
                 if follower is not None:
                     follower.stop()
-                self._follower = Follower(self, holder.address, quiet=again)
+                self._follower = Follower(self, address, quiet=again)
             return
         try:
             try:
@@ -294,7 +300,7 @@ class GroupMember:
         with replica.lock:
             self._serve_under(token)
             replica.workers.renew_all(time.monotonic())
-        self.primary = LeaseHolder(token, self.member_id, self.address)
+        self.primary = LeaseHolder(token, self.member_id, self.address, self.replication_address)
         log.warning("this member is the primary of replica %s now, under token %d, at record %d (step %d)",
                     replica.replica_id, token, replica.last_seq, replica.manager.last_step_id,
                     extra={"token": token})  # fmt: skip
@@ -310,7 +316,7 @@ class GroupMember:
         with replica.lock:
             self.token = 0
             self.leadership.valid_until = 0.0
-            # End the streams of workers and standbys: they look for the new primary.
+            # End the workers' streams and the standbys' connections: they look for the new primary.
             replica.steps.end_followers()
             replica.history.end_followers()
         self.commit.clear()

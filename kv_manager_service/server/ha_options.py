@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kv_manager_service.shared.security import ClientTLS, ServerTLS, TokenTable
 
 
 @dataclass(frozen=True)
@@ -24,3 +26,16 @@ class HAOptions:
     @property
     def poll_s(self) -> float:
         return self.lease_s / 10
+
+
+@dataclass(frozen=True)
+class MemberLink:
+    """How the members reach each other: the replication listener's host and port, its TLS and the tokens
+    it accepts (of the member role), and what this member presents to the others."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port, which the lease advertises
+    server_tls: ServerTLS | None = None
+    tokens: TokenTable | None = None
+    client_tls: ClientTLS | None = None
+    bearer_token: str | None = field(default=None, repr=False)

@@ -2,7 +2,7 @@
 
 Keys, under one hash tag so a Redis Cluster keeps them in one slot:
 
-    kvcache:ha:{<replica id>}:lease   STRING "<token> <member id> <address>", with a TTL
+    kvcache:ha:{<replica id>}:lease   STRING "<token> <member id> <address> <replication address>", with a TTL
     kvcache:ha:{<replica id>}:token   STRING the last fencing token given out
     kvcache:ha:{<replica id>}:isr     SET    the members that hold every acknowledged record
 
@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import redis
 
-# KEYS: lease, token, isr. ARGV: member id, address, TTL ms, highest token seen, '1' if it may found the group.
+# KEYS: lease, token, isr. ARGV: member id, its two addresses (one string), TTL ms, highest token seen, '1' if it may found the group.
 # Returns {token, ''} when acquired; {0, lease} when another holds it; {-1, ''} when the caller is not in
 # the in-sync set; {-2, ''} when the group has no in-sync set and the caller may not found it.
 _ACQUIRE = """
@@ -82,19 +82,20 @@ return redis.call('DEL', KEYS[1])
 class LeaseHolder(NamedTuple):
     token: int
     member_id: str
-    address: str
+    address: str  # where clients and workers call it
+    replication_address: str  # where standbys follow it (replication_link.py)
 
     @classmethod
     def parse(cls, value: bytes | str) -> LeaseHolder | None:
         """The holder a lease's value names; None for a value that is no lease (it is nobody's)."""
         text = value.decode(errors="replace") if isinstance(value, bytes) else value
-        parts = text.split(" ", 2)
-        if len(parts) != 3 or not parts[0].isdigit():
+        parts = text.split(" ")
+        if len(parts) != 4 or not parts[0].isdigit():
             return None
-        return cls(int(parts[0]), parts[1], parts[2])
+        return cls(int(parts[0]), parts[1], parts[2], parts[3])
 
     def value(self) -> str:
-        return f"{self.token} {self.member_id} {self.address}"
+        return f"{self.token} {self.member_id} {self.address} {self.replication_address}"
 
 
 class NotInSyncError(Exception):
@@ -108,12 +109,15 @@ class NoGroupError(Exception):
 class Leadership:
     """One member's view of its group's lease in Redis (see the module docstring)."""
 
-    def __init__(self, client: redis.Redis, replica_id: str, member_id: str, address: str, lease_s: float) -> None:
+    def __init__(
+        self, client: redis.Redis, replica_id: str, member_id: str, address: str, replication_address: str, lease_s: float
+    ) -> None:
         if " " in member_id or not member_id:
             raise ValueError(f"a member id is one word, got {member_id!r}")
         self.client = client
         self.member_id = member_id
         self.address = address
+        self.replication_address = replication_address
         self.lease_s = lease_s
         self.margin_s = max(lease_s / 10, 0.05)  # for the clocks' rates, and the time the reply takes
         prefix = f"kvcache:ha:{{{replica_id}}}"
@@ -140,9 +144,8 @@ class Leadership:
         set and not `may_found`. Raises redis.RedisError when Redis cannot be reached.
         """
         sent = time.monotonic()
-        code, value = self._acquire(
-            keys=self.keys, args=[self.member_id, self.address, self.ttl_ms, highest_token, int(may_found)]
-        )
+        addresses = f"{self.address} {self.replication_address}"
+        code, value = self._acquire(keys=self.keys, args=[self.member_id, addresses, self.ttl_ms, highest_token, int(may_found)])
         if code > 0:
             self.valid_until = sent + self.lease_s - self.margin_s
             return int(code)
@@ -151,7 +154,7 @@ class Leadership:
         if code == -2:
             raise NoGroupError("Redis holds no in-sync set for this group")
         holder = LeaseHolder.parse(value)
-        return holder if holder is not None else LeaseHolder(0, "?", "")
+        return holder if holder is not None else LeaseHolder(0, "?", "", "")
 
     def renew(self, token: int) -> bool | None:
         """Extend our lease: True; None when there is no lease (it lapsed, or Redis lost it); False
@@ -176,4 +179,4 @@ class Leadership:
         self._release(keys=[self.keys[0], self.keys[2]], args=[self._value(token), int(dissolve)])
 
     def _value(self, token: int) -> str:
-        return LeaseHolder(token, self.member_id, self.address).value()
+        return LeaseHolder(token, self.member_id, self.address, self.replication_address).value()

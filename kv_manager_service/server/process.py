@@ -42,7 +42,6 @@ from kv_manager_service.shared.security import (
     Role,
     ServerTLS,
     TokenTable,
-    aio_client_channel,
 )
 from kv_manager_service.shared.termination import TerminationSignals
 from kv_manager_service.server.memory_budget import (
@@ -53,7 +52,7 @@ from kv_manager_service.server.memory_budget import (
     estimate_memory,
 )
 from kv_manager_service.server.replica import Replica
-from kv_manager_service.server.ha_options import HAOptions
+from kv_manager_service.server.ha_options import HAOptions, MemberLink
 from kv_manager_service.server.retention import ServiceLimits
 from kv_manager_service.shared.errors import NotPrimaryError
 from kv_manager_service.server.servicer import KVManagerServicer, add_to_server
@@ -82,10 +81,6 @@ OPERATOR_METHODS = frozenset(
         "ResetPrefixCache",
     )
 )
-# Calls for the member role only: the other managers of a high-availability group.
-MEMBER_METHODS = frozenset({"/kvcache.replication.v1.ReplicationService/Follow"})
-# A member receives what its primary sends whole: a snapshot is one message, as large as the pool's state.
-MEMBER_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 REDIS_CLUSTER_MODES = ("auto", "yes", "no")  # mirror.connect.CLUSTER_MODES, named here without importing redis
 REDIS_WRITERS = ("thread", "process")  # --redis-writer
 
@@ -132,6 +127,7 @@ class ServerOptions:
     ha: HAOptions = HAOptions()
     ha_token: str | None = field(default=None, repr=False)  # with --auth-token-file: a member-role token
     ha_tls: ClientTLS | None = None  # with --tls-cert: how this member checks the others (and proves itself)
+    ha_replication_port: int = 0  # the replication listener's port on --host; 0: a free one, which the lease names
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -169,6 +165,8 @@ class ServerOptions:
             host, _, port = self.advertise_address.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) <= 65535 or " " in self.advertise_address:
                 raise ValueError(f"--advertise-address must be HOST:PORT, got {self.advertise_address!r}")
+        if not 0 <= self.ha_replication_port <= 65535:
+            raise ValueError(f"--ha-replication-port must be in 0..65535, got {self.ha_replication_port}")
         if self.ha_url is None:
             return
         if not self.ha_url.startswith(("redis://", "rediss://")):
@@ -363,6 +361,8 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
     check_port_free(options.host, options.port)
     if options.metrics_port is not None:
         check_port_free(options.metrics_host or options.host, options.metrics_port, "metrics port")
+    if options.ha_url and options.ha_replication_port:
+        check_port_free(options.host, options.ha_replication_port, "--ha-replication-port")
     replica = build_replica(config, options)
     if options.tokens is not None and options.tls is None:
         log.warning("bearer tokens without --tls-cert travel in clear text: use TLS off a trusted network")
@@ -372,7 +372,7 @@ def start_server(config: KVCacheConfig, options: ServerOptions) -> RunningServer
         interceptors.append(RpcMetricsInterceptor(SERVICE, registry, "kvcache"))
     if options.tokens is not None:
         # After the metrics (they count what it refuses), before the parser (a refused request is not parsed).
-        interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS, member_methods=MEMBER_METHODS))
+        interceptors.append(BearerAuthInterceptor(options.tokens, OPERATOR_METHODS))
     interceptors.append(ParseErrorInterceptor())  # last, so the metrics count what it refuses
     loop = EventLoopThread("kv-rpc-loop")
     pool = futures.ThreadPoolExecutor(max_workers=options.max_workers, thread_name_prefix="kv-rpc")
@@ -424,11 +424,6 @@ def _start(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-    if member is not None:
-        from kv_manager_service.server.replication import ReplicationServicer
-        from kvcache.replication.v1 import replication_pb2_grpc
-
-        replication_pb2_grpc.add_ReplicationServiceServicer_to_server(ReplicationServicer(member), server)
     reflection.enable_server_reflection(services, server)
     metrics = None
     if registry is not None:
@@ -496,13 +491,16 @@ def _member(
     from kv_manager_service.server.ha import GroupMember
 
     client = connect(RedisEndpoint(options.ha_url, options.redis_cluster, timeout_s=options.ha.lease_s / 4))
-    log.info("high availability: member of replica %s's group in %s, at %s",
-             replica.replica_id, _redact(options.ha_url), address)  # fmt: skip
-    return GroupMember(
-        replica, client, address, options.ha, pool, loop.loop,
-        channel=lambda target: aio_client_channel(target, options.ha_tls, MEMBER_CHANNEL_OPTIONS),
-        on_serving=lambda serving: None, token=options.ha_token,
-    )  # fmt: skip
+    link = MemberLink(
+        options.host, options.ha_replication_port, options.tls, options.tokens, options.ha_tls, options.ha_token
+    )
+    try:
+        member = GroupMember(replica, client, address, options.ha, pool, loop.loop, lambda serving: None, link)
+    except OSError as error:
+        raise PortUnavailableError(f"--ha-replication-port: {error}") from None
+    log.info("high availability: member of replica %s's group in %s, at %s (replication at %s)",
+             replica.replica_id, _redact(options.ha_url), address, member.replication_address)  # fmt: skip
+    return member
 
 
 def _mirror(

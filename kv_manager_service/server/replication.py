@@ -1,22 +1,26 @@
 """A group's records, from the primary to its standbys, and when a record counts as committed.
 
-The primary's side is `Commit` and `ReplicationServicer`; the standby's is `Follower`.
+The primary's side is `Commit` and `ReplicationListener`; the standby's is
+`Follower`. They talk over one connection (replication_link.py).
 
-- A standby opens `Follow` saying where it stands: its last record's number
-  and token. When the primary's history holds that record with the same
-  token, the two histories agree up to it (only one primary ever gave out a
-  token, and each took its history from the one before), and the standby
-  gets the records after it. Otherwise it gets a snapshot record of the
-  primary's whole state first, and starts over from it.
-- The standby applies each message's records (and journals them when it has
-  a journal), then acknowledges the last one on the same stream.
+- A standby connects to the replication address the lease names, and says
+  where it stands: its last record's number and token. When the primary's
+  history holds that record with the same token, the two histories agree up
+  to it (only one primary ever gave out a token, and each took its history
+  from the one before), and the standby gets the records after it.
+  Otherwise it gets a snapshot record of the primary's whole state first,
+  and starts over from it.
+- The standby acknowledges each message's records once it holds them: on
+  arrival when it has no journal and they continue its history (they surely
+  apply), after applying and journaling them otherwise. It applies them in
+  order, and a promotion waits until every record received is applied.
 - A record is committed when every member of the in-sync set has
   acknowledged it (`Commit`). A call is answered, and a worker sent a step,
   only once what it did is committed: a standby that takes over holds it.
 - A standby that has caught up with the primary joins the in-sync set; one
-  that falls behind by more than the sync timeout, or whose stream ends, is
-  removed from it, in Redis first (`Leadership.change_in_sync`), so a member
-  that may lack a committed record can never be promoted.
+  that falls behind by more than the sync timeout, or whose connection ends,
+  is removed from it, in Redis first (`Leadership.change_in_sync`), so a
+  member that may lack a committed record can never be promoted.
 """
 
 from __future__ import annotations
@@ -24,21 +28,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Sequence
-
-import grpc
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from kv_manager_service.broadcast_log import LogTruncatedError
-from kv_manager_service.server.replica import ReplicationError
+from kv_manager_service.server import replication_link
+from kv_manager_service.server.replica import Replica, ReplicationError
 from kv_manager_service.server.snapshot import take_snapshot
 from kv_manager_service.shared.errors import NotPrimaryError
-from kv_manager_service.shared.status import end_call
+from kv_manager_service.shared.security import Role, ServerTLS, TokenTable
 from kvcache.journal.v1 import journal_pb2 as jpb
 from kvcache.replication.v1 import replication_pb2 as rpb
-from kvcache.replication.v1 import replication_pb2_grpc as rpb_grpc
 
 if TYPE_CHECKING:
     from kv_manager_service.server.ha import GroupMember
@@ -47,12 +50,14 @@ log = logging.getLogger("kv_manager_service.server.replication")
 
 RECORDS_PER_MESSAGE = 4096
 MESSAGE_BYTES = 4 << 20  # a message of records stops growing past this (one record may be larger)
+MAX_QUEUED_MESSAGES = 64  # a standby stops reading while this many received messages wait to be applied
+HELLO_TIMEOUT_S = 10.0  # a connection that has not said who follows by then is closed
 
 
 @dataclass
 class _Standby:
     acked_seq: int  # it holds every record up to this one
-    streams: int = 1  # its open Follow streams (a reconnection may open one before the last ends)
+    connections: int = 1  # its open connections (a reconnection may open one before the last ends)
     in_sync: bool = False  # Redis lists it in the in-sync set: every commit waits for it
     joining: bool = False  # its addition to the in-sync set is under way
 
@@ -62,7 +67,7 @@ class Commit:
 
     Thread-safe: acknowledgements arrive on the loop, changes of the in-sync set in the thread pool.
     A standby stays known while Redis may list it in the in-sync set, even between two of its
-    streams, so no commit stops waiting for it before Redis has dropped it (`left`).
+    connections, so no commit stops waiting for it before Redis has dropped it (`left`).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -96,23 +101,23 @@ class Commit:
             return [m for m, s in self._standbys.items() if s.in_sync and s.acked_seq < seq]
 
     def connect(self, member_id: str, acked_seq: int) -> None:
-        """A standby's stream opened; `acked_seq`: what it holds (an in-sync one keeps what it acknowledged)."""
+        """A standby's connection opened; `acked_seq`: what it holds (an in-sync one keeps what it acknowledged)."""
         with self._changed:
             standby = self._standbys.get(member_id)
             if standby is None:
                 self._standbys[member_id] = _Standby(acked_seq)
             else:
-                standby.streams += 1
+                standby.connections += 1
 
     def disconnect(self, member_id: str) -> bool:
-        """A standby's stream ended: True when it has no other and Redis lists it in the in-sync set (it
-        must be removed there, then `left`); otherwise it is forgotten once it has no stream."""
+        """A standby's connection ended: True when it has no other and Redis lists it in the in-sync set (it
+        must be removed there, then `left`); otherwise it is forgotten once it has no connection."""
         with self._changed:
             standby = self._standbys.get(member_id)
             if standby is None:  # forgotten: this member stepped down
                 return False
-            standby.streams -= 1
-            if standby.streams:
+            standby.connections -= 1
+            if standby.connections:
                 return False
             if not standby.in_sync:
                 del self._standbys[member_id]
@@ -124,7 +129,7 @@ class Commit:
             standby = self._standbys.get(member_id)
             if standby is not None:
                 standby.in_sync = False
-                if not standby.streams:
+                if not standby.connections:
                     del self._standbys[member_id]
         self._wake()
 
@@ -195,76 +200,155 @@ def _settle(futures: list[asyncio.Future[bool]], committed: bool) -> None:
             future.set_result(committed)
 
 
-class ReplicationServicer(rpb_grpc.ReplicationServiceServicer):
-    """The primary's side of `Follow` (see the module docstring)."""
+class ReplicationListener:
+    """The primary's side: accepts standbys on the replication address (see the module docstring).
 
-    def __init__(self, member: GroupMember) -> None:
+    Every member listens, so that whichever leads is reachable; a member that
+    does not lead refuses a standby with NOT_PRIMARY and names the primary.
+    """
+
+    def __init__(self, member: GroupMember, host: str, port: int, tls: ServerTLS | None, tokens: TokenTable | None) -> None:
         self.member = member
+        self.tokens = tokens
+        self._connections: set[_StandbyConnection] = set()
+        loop = member.commit.loop
+        context = replication_link.server_context(tls)
+        self._server = asyncio.run_coroutine_threadsafe(
+            loop.create_server(lambda: _StandbyConnection(self), host, port, ssl=context), loop
+        ).result()
+        self.port: int = self._server.sockets[0].getsockname()[1]
 
-    async def Follow(
-        self, request_iterator: AsyncIterator[rpb.FollowRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[rpb.FollowResponse]:
+    def close(self) -> None:
+        """Stop accepting, and end every standby's connection (from any thread but the loop's)."""
+
+        async def close() -> None:
+            self._server.close()
+            for connection in list(self._connections):
+                connection.close()
+
+        asyncio.run_coroutine_threadsafe(close(), self.member.commit.loop).result()
+
+    def refusal(self, first: rpb.FollowRequest) -> rpb.Refusal | None:
+        """Why a standby saying `first` may not follow (token, role, its identity); None when it may."""
+        if self.tokens is not None:
+            caller = self.tokens.authenticate([("authorization", f"Bearer {first.bearer_token}")])
+            if caller is None:
+                return rpb.Refusal(reason="UNAUTHENTICATED", message="following needs a token of the member role")
+            if caller.role is not Role.MEMBER:
+                return rpb.Refusal(reason="PERMISSION_DENIED", message=f"{caller.tenant!r} is not of the member role")
+        if not first.member_id or " " in first.member_id:
+            return rpb.Refusal(reason="INVALID_ARGUMENT", message=f"member_id must be one word, got {first.member_id!r}")
+        return None
+
+
+class _StandbyConnection(replication_link.FrameProtocol):
+    """One standby's connection to the primary: its first frame says who it is and where it stands;
+    the records it lacks go out as they are accepted, and its acknowledgements come back."""
+
+    max_frame_bytes = 1 << 16  # a standby's frames are small: a larger one ends the connection
+
+    def __init__(self, listener: ReplicationListener) -> None:
+        super().__init__()
+        self.listener = listener
+        self.member = listener.member
+        self.member_id: str | None = None
+        self._sender: asyncio.Task[None] | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.listener._connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.listener._connections.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._sender is not None:
+            self._sender.cancel()
+
+    def on_frame(self, message: bytes) -> None:
+        request = rpb.FollowRequest.FromString(message)
+        if self.member_id is not None:
+            if self.member.commit.acknowledged(self.member_id, request.acked_seq):
+                asyncio.get_running_loop().run_in_executor(self.member.pool, self.member.admit_standby, self.member_id)
+            return
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        refusal = self.listener.refusal(request)
+        if refusal is not None:
+            log.warning("refused a standby's connection from %s: %s", self.peer(), refusal.message)
+            self.refuse(refusal)
+            return
+        self.member_id = request.member_id
+        self._sender = asyncio.ensure_future(self._send(request))
+
+    def peer(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return f"{peer[0]}:{peer[1]}" if peer else "?"
+
+    def refuse(self, refusal: rpb.Refusal) -> None:
+        self.send(rpb.FollowResponse(refusal=refusal).SerializeToString())
+        self.close()
+
+    async def _send(self, first: rpb.FollowRequest) -> None:
+        """Send the standby what it lacks, then each record as it is accepted, until this member steps
+        down or the connection ends."""
         member = self.member
         replica = member.replica
-        try:
-            first = await request_iterator.__anext__()
-        except StopAsyncIteration:
-            return
         try:
             if first.highest_token > replica.token:
                 member.saw_token(first.highest_token)
             token = member.serving_token()  # NotPrimaryError unless this member serves
             loop = asyncio.get_running_loop()
-            start, snapshot = await loop.run_in_executor(member.pool, self._start, first)
+            start, snapshot = await loop.run_in_executor(member.pool, _start, replica, first)
         except NotPrimaryError as error:
-            end_call(context, error)
+            primary = member.primary
+            known = primary.replication_address if primary is not None and primary.member_id != member.member_id else ""
+            self.refuse(rpb.Refusal(reason="NOT_PRIMARY", message=str(error), primary=known))
             return
+        member_id = first.member_id
         commit = member.commit
-        commit.connect(first.member_id, start - 1 if snapshot is None else 0)
+        commit.connect(member_id, start - 1 if snapshot is None else 0)
         log.info(
-            "standby %s at %s follows from record %d%s", first.member_id, first.address, start,
-            " (after a snapshot)" if snapshot is not None else "", extra={"member_id": first.member_id},
+            "standby %s at %s follows from record %d%s", member_id, first.address, start,
+            " (after a snapshot)" if snapshot is not None else "", extra={"member_id": member_id},
         )  # fmt: skip
-        if snapshot is None and commit.acknowledged(first.member_id, start - 1):  # it may be in sync already
-            loop.run_in_executor(member.pool, member.admit_standby, first.member_id)
-        acks = asyncio.ensure_future(self._read_acks(first.member_id, request_iterator))
+        if snapshot is None and commit.acknowledged(member_id, start - 1):  # it may be in sync already
+            loop.run_in_executor(member.pool, member.admit_standby, member_id)
         try:
             if snapshot is not None:
-                yield rpb.FollowResponse(token=token, records=[snapshot])
+                self.send(rpb.FollowResponse(token=token, records=[snapshot]).SerializeToString())
             async for batch in replica.history.follow(start, RECORDS_PER_MESSAGE):
-                if member.token != token:
+                if member.token != token or self.closed.is_set():
                     break  # this member stepped down (or its token moved on): the standby reconnects
                 for records in _by_size([payload for _, payload in batch], MESSAGE_BYTES):
-                    yield rpb.FollowResponse(token=token, records=records)
+                    self.send(rpb.FollowResponse(token=token, records=records).SerializeToString())
+                await self.drained()
         except LogTruncatedError:
-            log.warning("standby %s fell behind the history's retention; it starts over", first.member_id)
+            log.warning("standby %s fell behind the history's retention; it starts over", member_id)
         finally:
-            acks.cancel()
-            if commit.disconnect(first.member_id):
-                asyncio.get_running_loop().run_in_executor(member.pool, member.drop_standby, first.member_id)
+            self.close()
+            if commit.disconnect(member_id):
+                loop.run_in_executor(member.pool, member.drop_standby, member_id)
 
-    def _start(self, first: rpb.FollowRequest) -> tuple[int, bytes | None]:
-        """Where a standby starts: (the first record it is sent, a snapshot record to send before, or None)."""
-        replica = self.member.replica
-        with replica.lock:
-            history = replica.history
-            seq = first.last_seq
-            if seq == replica.last_seq and first.last_token == replica.last_record_token:
+
+def _start(replica: Replica, first: rpb.FollowRequest) -> tuple[int, bytes | None]:
+    """Where a standby starts: (the first record it is sent, a snapshot record to send before, or None)."""
+    with replica.lock:
+        history = replica.history
+        seq = first.last_seq
+        if seq == replica.last_seq and first.last_token == replica.last_record_token:
+            return seq + 1, None
+        if 0 < seq < replica.last_seq and seq >= history.first_retained_id:
+            (_, payload), = history.read(seq, 1, 0)
+            if jpb.JournalRecord.FromString(payload).token == first.last_token:
                 return seq + 1, None
-            if 0 < seq < replica.last_seq and seq >= history.first_retained_id:
-                (_, payload), = history.read(seq, 1, 0)
-                if jpb.JournalRecord.FromString(payload).token == first.last_token:
-                    return seq + 1, None
-            record = jpb.JournalRecord(
-                snapshot=take_snapshot(replica), seq=replica.last_seq, token=replica.last_record_token
-            )
-            return replica.last_seq + 1, record.SerializeToString()
-
-    async def _read_acks(self, member_id: str, requests: AsyncIterator[rpb.FollowRequest]) -> None:
-        member = self.member
-        async for request in requests:
-            if member.commit.acknowledged(member_id, request.acked_seq):
-                asyncio.get_running_loop().run_in_executor(member.pool, member.admit_standby, member_id)
+        record = jpb.JournalRecord(
+            snapshot=take_snapshot(replica), seq=replica.last_seq, token=replica.last_record_token
+        )
+        return replica.last_seq + 1, record.SerializeToString()
 
 
 def _follows(records: list[jpb.JournalRecord], seq: int, token: int) -> bool:
@@ -291,18 +375,21 @@ def _by_size(payloads: list[bytes], max_bytes: int) -> Iterator[list[bytes]]:
 
 
 class Follower:
-    """A standby's stream from its primary, a task on the server's event loop: acknowledges each
-    message's records and applies them (in the thread pool, so the loop never waits for the lock)."""
+    """A standby's connection to its primary, on the server's event loop: each frame's records are
+    acknowledged as they arrive when they surely apply, and applied in order in the thread pool, so
+    the loop never waits for the lock."""
 
     def __init__(self, member: GroupMember, address: str, quiet: bool = False) -> None:
-        """`quiet`: a failure to follow is logged at DEBUG only (the last try at this address failed too)."""
+        """`address`: the primary's replication address. `quiet`: a failure to follow is logged at DEBUG
+        only (the last try at this address failed too)."""
         self.member = member
         self.quiet = quiet
         self.failed = False
         self.address = address
-        self._stopped = threading.Event()
-        self._applied = threading.Event()  # set while no apply is under way
-        self._applied.set()
+        self.applied = 0
+        self._stopping = False
+        self._connection: _PrimaryConnection | None = None
+        self._task: asyncio.Task[None] | None = None
         self._future = asyncio.run_coroutine_threadsafe(self._run(), member.commit.loop)
 
     @property
@@ -310,73 +397,129 @@ class Follower:
         return not self._future.done()
 
     def stop(self) -> None:
-        """End the stream and return once no record is being applied (from any thread but the loop's)."""
-        self._stopped.set()
-        self._future.cancel()
+        """End the connection, and return once every record received is applied (from any thread but
+        the loop's): a standby acknowledges records before applying them, so a promotion must find
+        them applied."""
+
+        def close() -> None:
+            self._stopping = True
+            if self._connection is not None:
+                self._connection.close()
+            elif self._task is not None:
+                self._task.cancel()  # still connecting
+
+        self.member.commit.loop.call_soon_threadsafe(close)
         concurrent.futures.wait([self._future])
-        self._applied.wait()
 
     async def _run(self) -> None:
-        channel = self.member.channel(self.address)  # made on the loop it belongs to
-        try:
-            await self._follow(channel)
-        finally:
-            await channel.close()
-
-    def _apply(self, payloads: Sequence[bytes], records: list[jpb.JournalRecord]) -> None:
-        try:
-            self.member.replica.apply_records(payloads, records)
-        finally:
-            self._applied.set()
-
-    async def _follow(self, channel: grpc.aio.Channel) -> None:
+        self._task = asyncio.current_task()
         member = self.member
-        replica = member.replica
+        started = time.monotonic()
+        if self._stopping:
+            return
+        try:
+            connection = await replication_link.connect(
+                self.address, lambda: _PrimaryConnection(self), member.client_ssl, member.server_name
+            )
+        except (OSError, ssl.SSLError) as error:
+            self.failed = True
+            log.log(logging.DEBUG if self.quiet else logging.INFO, "cannot follow %s: %s", self.address, error)
+            return
+        self._connection = connection
+        if self._stopping:
+            connection.close()
+        await connection.applying()
+        if self.applied:
+            log.info("followed %s: %d records in %.2fs", self.address, self.applied, time.monotonic() - started)
+
+
+class _PrimaryConnection(replication_link.FrameProtocol):
+    """A standby's end of the connection (see `Follower`)."""
+
+    def __init__(self, follower: Follower) -> None:
+        super().__init__()
+        self.follower = follower
+        self.member = follower.member
+        self.replica = follower.member.replica
+        # The last record received, when every record received has been checked to follow the replica's
+        # history (then a new one that follows it surely applies); None while that is not known.
+        self._received: tuple[int, int] | None = None
+        self._batches: asyncio.Queue[tuple[list[bytes], list[jpb.JournalRecord], bool] | None] = asyncio.Queue()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        member, replica = self.member, self.replica
         with replica.lock:
+            self._received = (replica.last_seq, replica.last_record_token)
             first = rpb.FollowRequest(
                 member_id=member.member_id, address=member.address, last_seq=replica.last_seq,
                 last_token=replica.last_record_token, highest_token=replica.token, acked_seq=replica.last_seq,
+                bearer_token=member.bearer_token or "",
             )  # fmt: skip
-        started = time.monotonic()
-        applied = 0
-        try:
-            call = rpb_grpc.ReplicationServiceStub(channel).Follow(metadata=member.call_metadata)
-            await call.write(first)
-            while True:
-                response = await call.read()
-                if response is grpc.aio.EOF:
-                    return
-                if response.token < replica.token:
-                    log.warning("the member at %s sends token %d, older than %d: not following it",
-                                self.address, response.token, replica.token)  # fmt: skip
-                    return
-                member.saw_token(response.token)
-                records = [jpb.JournalRecord.FromString(payload) for payload in response.records]
-                # Without a journal, a record is held once it is in memory: acknowledged before it is
-                # applied, when it surely applies (it follows), so applying it is off the primary's
-                # round trip. The promotion waits for this thread, so it is applied before any call.
-                early = replica.journal is None and _follows(records, replica.last_seq, replica.last_record_token)
-                if early:
-                    await call.write(rpb.FollowRequest(acked_seq=records[-1].seq))
-                self._applied.clear()
-                # Shielded: a stop waits for an apply under way rather than leave it half-known.
-                await asyncio.shield(
-                    asyncio.get_running_loop().run_in_executor(member.pool, self._apply, response.records, records)
-                )
-                applied += len(records)
-                if not early:
-                    await call.write(rpb.FollowRequest(acked_seq=replica.last_seq))
-        except grpc.RpcError as error:
-            if not self._stopped.is_set():
-                self.failed = not applied
-                log.log(logging.DEBUG if self.quiet and not applied else logging.INFO,
-                        "following %s ended: %s %s", self.address, error.code().name, error.details())  # fmt: skip
-        except ReplicationError as error:
-            log.warning("cannot apply the records of %s (%s); starting over", self.address, error)
-            with replica.lock:  # ask for a snapshot next time: no record of ours can match
-                replica.last_record_token = 0
-        finally:
-            self._stopped.set()
-            if applied:
-                elapsed = time.monotonic() - started
-                log.info("followed %s: %d records in %.2fs", self.address, applied, elapsed)
+        self.send(first.SerializeToString())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if not self.follower.applied:
+            self.follower.failed = True
+        if exc is not None and not self.follower.applied:
+            log.log(logging.DEBUG if self.follower.quiet else logging.INFO,
+                    "following %s ended: %s", self.follower.address, exc)  # fmt: skip
+        self._batches.put_nowait(None)  # what was received is still applied
+
+    def on_frame(self, message: bytes) -> None:
+        response = rpb.FollowResponse.FromString(message)
+        follower, replica = self.follower, self.replica
+        if response.HasField("refusal"):
+            refusal = response.refusal
+            follower.failed = True
+            log.log(logging.DEBUG if follower.quiet else logging.INFO, "%s refuses to be followed: %s %s",
+                    follower.address, refusal.reason, refusal.message)  # fmt: skip
+            self.close()
+            return
+        if response.token < replica.token:
+            log.warning("the member at %s sends token %d, older than %d: not following it",
+                        follower.address, response.token, replica.token)  # fmt: skip
+            self.close()
+            return
+        if response.token > replica.token:
+            self.member.saw_token(response.token)
+        records = [jpb.JournalRecord.FromString(payload) for payload in response.records]
+        # Without a journal, a record is held once it is in memory: acknowledged before it is applied,
+        # when it surely applies (it follows), so applying it is off the primary's round trip.
+        early = replica.journal is None and self._received is not None and _follows(records, *self._received)
+        if early:
+            self._received = (records[-1].seq, records[-1].token)
+            self.send(rpb.FollowRequest(acked_seq=records[-1].seq).SerializeToString())
+        else:
+            self._received = None
+        self._batches.put_nowait((list(response.records), records, early))
+        if self._batches.qsize() >= MAX_QUEUED_MESSAGES and self.transport is not None:
+            self.transport.pause_reading()
+
+    async def applying(self) -> None:
+        """Apply the batches received, in order, until the connection ends and every one is applied."""
+        loop = asyncio.get_running_loop()
+        replica = self.replica
+        while (batch := await self._batches.get()) is not None:
+            payloads, records, early = batch
+            if self.transport is not None and self._batches.qsize() < MAX_QUEUED_MESSAGES // 2:
+                self.transport.resume_reading()
+            try:
+                await loop.run_in_executor(self.member.pool, replica.apply_records, payloads, records)
+            except ReplicationError as error:
+                log.warning("cannot apply the records of %s (%s); starting over", self.follower.address, error)
+                with replica.lock:  # ask for a snapshot next time: no record of ours can match
+                    replica.last_record_token = 0
+                self.close()
+                self._drop_queued()
+                return
+            self.follower.applied += len(records)
+            if not early:
+                self.send(rpb.FollowRequest(acked_seq=replica.last_seq).SerializeToString())
+                if self._batches.empty():
+                    self._received = (replica.last_seq, replica.last_record_token)
+
+    def _drop_queued(self) -> None:
+        while not self._batches.empty():
+            self._batches.get_nowait()

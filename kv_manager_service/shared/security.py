@@ -34,8 +34,9 @@ FindCacheHit, GetBlockTables of named requests, GetConfig, GetStats.
 `operator` (the serving engine's infrastructure: GPU workers, routers,
 dashboards) may also call WatchSteps, AckSteps, ReportMissingKV, WatchEvents,
 ResetPrefixCache and GetBlockTables of all requests. `member` (the other
-managers of a high-availability group) may call the group's replication
-stream only, and only it may.
+managers of a high-availability group) may call no RPC: it may only follow
+a group's primary, on the primary's replication listener, which lets in no
+other role (server/replication.py).
 
 The servicer learns who called with `TokenTable.caller(context)`, which reads
 the same metadata again (the interceptor has already accepted it).
@@ -357,8 +358,7 @@ def aio_client_channel(
 
 class BearerAuthInterceptor(grpc.ServerInterceptor):
     """Refuses calls without a valid bearer token (UNAUTHENTICATED), tenants' calls to
-    `operator_methods`, and calls to `member_methods` by any other role than `member` or by a member
-    to any other method (PERMISSION_DENIED), before the handler runs.
+    `operator_methods`, and every call of the member role (PERMISSION_DENIED), before the handler runs.
 
     `open_methods` (full names, `/package.Service/Method`) pass without a token.
     An accepted call runs the service's own handler, untouched.
@@ -369,11 +369,9 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
         tokens: TokenTable,
         operator_methods: Collection[str] = (),
         open_methods: Collection[str] = HEALTH_METHODS,
-        member_methods: Collection[str] = (),
     ) -> None:
         self.tokens = tokens
         self.operator_methods = frozenset(operator_methods)
-        self.member_methods = frozenset(member_methods)
         self.open_methods = frozenset(open_methods)
 
     def intercept_service(
@@ -390,12 +388,10 @@ class BearerAuthInterceptor(grpc.ServerInterceptor):
                 "this call needs a valid bearer token (metadata 'authorization: Bearer <token>')"
             )
             return _rejection(continuation(handler_call_details), method, error)
-        if (method in self.member_methods) != (principal.role is Role.MEMBER):
+        if principal.role is Role.MEMBER:
             name = method.rsplit("/", 1)[-1]
             error = PermissionDeniedError(
-                f"{name} is for the member role; {principal.tenant!r} is not one"
-                if method in self.member_methods
-                else f"{principal.tenant!r} has the member role: it may only follow a group's primary, not call {name}"
+                f"{principal.tenant!r} has the member role: it may only follow a group's primary, not call {name}"
             )
             return _rejection(continuation(handler_call_details), method, error)
         if method in self.operator_methods and not principal.is_operator:

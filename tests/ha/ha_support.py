@@ -28,6 +28,7 @@ from svc_support import connect, op_alloc, op_free, step_request  # noqa: E402
 
 SERVICE = "kvcache.v1.KVManagerService"
 IN_SYNC_KEY = "kvcache:ha:{r}:isr"  # the group's in-sync set in Redis (server/leadership.py), replica id "r"
+LEASE_KEY = "kvcache:ha:{r}:lease"
 NUM_BLOCKS = 256
 LEASE_MS = 1200
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -117,6 +118,14 @@ class Group:
             )
             time.sleep(0.02)
 
+    def replication_address(self) -> str:
+        """Where the lease's holder takes standbys (its value: token, member id, address, replication address)."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=1)
+        try:
+            return client.get(LEASE_KEY).decode().split(" ")[3]
+        finally:
+            client.close()
+
     def wait_in_sync(self, standby: LaunchedProcess, primary: LaunchedProcess, timeout_s: float = 10.0) -> None:
         """Until Redis lists `standby` in the group's in-sync set, as the primary's log names it (its
         latest stream): a log line alone could be of an earlier term, before the set was rewritten."""
@@ -144,7 +153,7 @@ class Group:
 
 
 def _member_id(primary: LaunchedProcess, standby: LaunchedProcess) -> str | None:
-    """The member id of `standby`'s latest Follow stream, as the primary's log names it."""
+    """The member id of `standby`'s latest connection, as the primary's log names it."""
     marker = f" at {standby.address} follows"
     ids = [line.split("standby ", 1)[1].split(" ", 1)[0] for line in primary.log().splitlines() if marker in line]
     return ids[-1] if ids else None

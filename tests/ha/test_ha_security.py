@@ -13,12 +13,14 @@ import pytest
 from certs import make_certs
 from ha_support import Group
 
-from kv_manager_service.shared.security import client_channel
+from kv_manager_service.server import replication_link
+from kv_manager_service.shared.security import ClientTLS, client_channel
 from kvcache.replication.v1 import replication_pb2 as rpb
-from kvcache.replication.v1 import replication_pb2_grpc as rpb_grpc
 from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import kv_manager_pb2_grpc as pb_grpc
 
+# A history no primary holds: a standby that says it is sent a snapshot at once.
+UNKNOWN_HISTORY = {"last_seq": 1, "last_token": 1 << 62}
 TENANT, OPERATOR, MEMBER = "tenant-token-0123456789", "operator-token-0123456789", "member-token-0123456789"
 
 
@@ -41,13 +43,11 @@ def _primary_by_log(group: Group) -> None:
         time.sleep(0.02)
 
 
-def _follow_code(address: str, token: str | None) -> grpc.StatusCode:
-    """How a Follow stream opened with `token` ends."""
-    with client_channel(address, token=token) as channel:
-        stream = rpb_grpc.ReplicationServiceStub(channel).Follow(iter([rpb.FollowRequest(member_id="intruder")]))
-        with pytest.raises(grpc.RpcError) as raised:
-            next(stream)
-        return raised.value.code()
+def _refusal(address: str, token: str | None) -> str:
+    """Why the replication listener at `address` refuses a standby following with `token` ('' if it does not)."""
+    hello = rpb.FollowRequest(member_id="intruder", bearer_token=token or "", **UNKNOWN_HISTORY).SerializeToString()
+    response = rpb.FollowResponse.FromString(replication_link.ask(address, hello, timeout_s=10))
+    return response.refusal.reason
 
 
 def test_members_follow_with_a_member_token_and_that_token_opens_nothing_else(group: Group, tmp_path: Path) -> None:
@@ -57,9 +57,12 @@ def test_members_follow_with_a_member_token_and_that_token_opens_nothing_else(gr
     _primary_by_log(group)
     primary = group.members[0]
     group.wait_in_sync(group.start(*flags), primary)
-    assert _follow_code(primary.address, None) == grpc.StatusCode.UNAUTHENTICATED
-    assert _follow_code(primary.address, OPERATOR) == grpc.StatusCode.PERMISSION_DENIED
-    assert _follow_code(primary.address, TENANT) == grpc.StatusCode.PERMISSION_DENIED
+    replication = group.replication_address()
+    assert _refusal(replication, None) == "UNAUTHENTICATED"
+    assert _refusal(replication, "not-a-token-0123456789") == "UNAUTHENTICATED"
+    assert _refusal(replication, OPERATOR) == "PERMISSION_DENIED"
+    assert _refusal(replication, TENANT) == "PERMISSION_DENIED"
+    assert _refusal(replication, MEMBER) == ""  # let in: the answer is its first records
     with client_channel(primary.address, token=MEMBER) as channel:
         with pytest.raises(grpc.RpcError) as raised:
             pb_grpc.KVManagerServiceStub(channel).GetStats(pb.GetStatsRequest())
@@ -77,6 +80,20 @@ def test_members_follow_each_other_over_mutual_tls(group: Group, tmp_path: Path)
     group.start(*flags)
     _primary_by_log(group)
     group.wait_in_sync(group.start(*flags), group.members[0])
+    replication = group.replication_address()
+    assert not _answered(replication, None)  # plaintext
+    assert not _answered(replication, ClientTLS(certs.ca))  # without a client certificate
+    assert _answered(replication, ClientTLS(certs.ca, certs.client_cert, certs.client_key))
+
+
+def _answered(address: str, tls: ClientTLS | None) -> bool:
+    """Whether the replication listener at `address` answers a standby's first message over `tls`."""
+    hello = rpb.FollowRequest(member_id="intruder", **UNKNOWN_HISTORY).SerializeToString()
+    try:
+        answer = replication_link.ask(address, hello, replication_link.client_context(tls), timeout_s=10)
+    except OSError:  # ssl.SSLError among them
+        return False
+    return bool(rpb.FollowResponse.FromString(answer).records) if answer else False
 
 
 @pytest.mark.parametrize(
