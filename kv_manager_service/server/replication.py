@@ -52,6 +52,7 @@ RECORDS_PER_MESSAGE = 4096
 MESSAGE_BYTES = 4 << 20  # a message of records stops growing past this (one record may be larger)
 MAX_QUEUED_MESSAGES = 64  # a standby stops reading while this many received messages wait to be applied
 HELLO_TIMEOUT_S = 10.0  # a connection that has not said who follows by then is closed
+INLINE_RECORDS = 8  # a standby applies a message of at most this many records on the loop (see _apply_inline)
 
 
 @dataclass
@@ -433,6 +434,18 @@ class Follower:
             log.info("followed %s: %d records in %.2fs", self.address, self.applied, time.monotonic() - started)
 
 
+# A message's records as received (payloads), parsed, and whether they were acknowledged on arrival.
+Batch = tuple[list[bytes], list[jpb.JournalRecord], bool]
+
+
+def _apply(replica: Replica, batch: Batch) -> ReplicationError | None:
+    try:
+        replica.apply_records(batch[0], batch[1])
+    except ReplicationError as error:
+        return error
+    return None
+
+
 class _PrimaryConnection(replication_link.FrameProtocol):
     """A standby's end of the connection (see `Follower`)."""
 
@@ -444,7 +457,8 @@ class _PrimaryConnection(replication_link.FrameProtocol):
         # The last record received, when every record received has been checked to follow the replica's
         # history (then a new one that follows it surely applies); None while that is not known.
         self._received: tuple[int, int] | None = None
-        self._batches: asyncio.Queue[tuple[list[bytes], list[jpb.JournalRecord], bool] | None] = asyncio.Queue()
+        self._batches: asyncio.Queue[Batch | None] = asyncio.Queue()  # None: the connection ended
+        self._in_flight = False  # a queued batch is being applied in the pool
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -493,32 +507,62 @@ class _PrimaryConnection(replication_link.FrameProtocol):
             self.send(rpb.FollowRequest(acked_seq=records[-1].seq).SerializeToString())
         else:
             self._received = None
-        self._batches.put_nowait((list(response.records), records, early))
-        if self._batches.qsize() >= MAX_QUEUED_MESSAGES and self.transport is not None:
-            self.transport.pause_reading()
+        batch = (list(response.records), records, early)
+        if not self._apply_inline(batch):
+            self._batches.put_nowait(batch)
+            if self._batches.qsize() >= MAX_QUEUED_MESSAGES and self.transport is not None:
+                self.transport.pause_reading()
+
+    def _apply_inline(self, batch: Batch) -> bool:
+        """Apply a small batch here, on the loop, when nothing received before it waits and the lock is free
+        at once: no hand-off to the pool and back. False when it must be queued instead."""
+        lock = self.replica.lock
+        records = batch[1]
+        if self._in_flight or not self._batches.empty() or len(records) > INLINE_RECORDS:
+            return False
+        if any(record.WhichOneof("entry") == "snapshot" for record in records):
+            return False
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            error = _apply(self.replica, batch)
+        finally:
+            lock.release()
+        self._applied(batch, error)
+        return True
 
     async def applying(self) -> None:
-        """Apply the batches received, in order, until the connection ends and every one is applied."""
+        """Apply the batches queued, in order, in the pool, until the connection ends and every one is applied."""
         loop = asyncio.get_running_loop()
-        replica = self.replica
         while (batch := await self._batches.get()) is not None:
-            payloads, records, early = batch
             if self.transport is not None and self._batches.qsize() < MAX_QUEUED_MESSAGES // 2:
                 self.transport.resume_reading()
+            self._in_flight = True
             try:
-                await loop.run_in_executor(self.member.pool, replica.apply_records, payloads, records)
-            except ReplicationError as error:
-                log.warning("cannot apply the records of %s (%s); starting over", self.follower.address, error)
-                with replica.lock:  # ask for a snapshot next time: no record of ours can match
-                    replica.last_record_token = 0
-                self.close()
-                self._drop_queued()
+                error = await loop.run_in_executor(self.member.pool, _apply, self.replica, batch)
+            finally:
+                self._in_flight = False
+            if not self._applied(batch, error):
                 return
-            self.follower.applied += len(records)
-            if not early:
-                self.send(rpb.FollowRequest(acked_seq=replica.last_seq).SerializeToString())
-                if self._batches.empty():
-                    self._received = (replica.last_seq, replica.last_record_token)
+
+    def _applied(self, batch: Batch, error: ReplicationError | None) -> bool:
+        """After a batch is applied (on the loop): acknowledge it when that waited for the apply; on an
+        error, start over. False when the connection ends."""
+        replica = self.replica
+        if error is not None:
+            log.warning("cannot apply the records of %s (%s); starting over", self.follower.address, error)
+            with replica.lock:  # ask for a snapshot next time: no record of ours can match
+                replica.last_record_token = 0
+            self.close()
+            self._drop_queued()
+            return False
+        _, records, early = batch
+        self.follower.applied += len(records)
+        if not early:
+            self.send(rpb.FollowRequest(acked_seq=replica.last_seq).SerializeToString())
+            if self._batches.empty() and not self._in_flight:
+                self._received = (replica.last_seq, replica.last_record_token)
+        return True
 
     def _drop_queued(self) -> None:
         while not self._batches.empty():
