@@ -3,8 +3,9 @@
 For each pool size, a fresh process builds a core whose every block of both tiers is cached, then a
 compaction's snapshot of it (the core's export, as the journal's message, serialized), and reports
 the growth of its resident memory per block: empty, full, and the snapshot's transient on top. The
-start-up check refuses a pool whose estimate (`BYTES_PER_BLOCK` and `TRANSIENT_BYTES_PER_BLOCK` a
-block) exceeds the memory available, so both must stay above what this measures.
+start-up check refuses a pool whose estimate (`BYTES_PER_BLOCK` a device block, `HOST_BYTES_PER_BLOCK` a
+host block, `TRANSIENT_BYTES_PER_BLOCK` a block of either) exceeds the memory available, so they must stay
+above what this measures.
 
     python bench/manager_memory_bench.py                      # 10^5 device blocks; 10^5 + 10^5; 5*10^4 + 2*10^5
     python bench/manager_memory_bench.py --pools 40000:40000 --json
@@ -21,7 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kv_manager_service.server.memory_budget import BYTES_PER_BLOCK, TRANSIENT_BYTES_PER_BLOCK  # noqa: E402
+from kv_manager_service.server.memory_budget import (  # noqa: E402
+    BYTES_PER_BLOCK,
+    HOST_BYTES_PER_BLOCK,
+    TRANSIENT_BYTES_PER_BLOCK,
+)
 
 # Run in a process of its own, so that each pool's growth is measured from a fresh start.
 MEASURE = """
@@ -82,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per pool instead of the table")
     args = parser.parse_args(argv)
     if not args.json:
-        print(f"resident memory per block (the estimate counts {BYTES_PER_BLOCK} full + {TRANSIENT_BYTES_PER_BLOCK} "
-              "transient)")  # fmt: skip
+        print(f"resident memory per block (the estimate counts {BYTES_PER_BLOCK} a device block, "
+              f"{HOST_BYTES_PER_BLOCK} a host block, + {TRANSIENT_BYTES_PER_BLOCK} transient)")  # fmt: skip
         print("| device blocks | host blocks | empty (B/block) | every block cached (B/block) | + a compaction's snapshot (B/block) |")
         print("|---:|---:|---:|---:|---:|")
     for num_blocks, num_host_blocks in args.pools:

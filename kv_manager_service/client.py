@@ -51,6 +51,7 @@ from kv_manager_service.shared.ops import (
     KVLossCause,
     Op,
     PendingCopy,
+    Retention,
     Stats,
     StepResult,
 )
@@ -322,10 +323,11 @@ class KVManagerClient:
         lora: LoraRef | None = None,
         mm_features: Sequence[MMFeature] = (),
         skip_prefix_cache: bool = False,
+        retention: Retention | None = None,
     ) -> AllocateResult:
         op = AllocateOp(
             request_id, token_ids, num_new_tokens, num_lookahead_tokens, num_encoder_tokens,
-            cache_salt, lora, tuple(mm_features), skip_prefix_cache,
+            cache_salt, lora, tuple(mm_features), skip_prefix_cache, retention,
         )
         return wire.allocate_result(self._call("Allocate", wire.allocate_request(op)))
 

@@ -30,6 +30,7 @@ from kv_manager_service.shared.ops import (
     MissingKVReport,
     Op,
     OpResult,
+    Retention,
     Stats,
     StepDelta,
     StepResult,
@@ -71,7 +72,17 @@ def allocate_op(message: pb.AllocateRequest) -> AllocateOp:
         lora(message.lora_name, message.lora_path),
         mm_features(message.mm_features),
         message.skip_prefix_cache,
+        retention(message.retention) if message.HasField("retention") else None,
     )
+
+
+def retention(message: pb.Retention) -> Retention:
+    return Retention(message.priority, message.ttl_ms)
+
+
+def retention_message(value: Retention | None) -> pb.Retention | None:
+    """None (the field left unset) for None: a request without retention encodes as it did before it existed."""
+    return None if value is None else pb.Retention(priority=value.priority, ttl_ms=value.ttl_ms)
 
 
 def free_op(message: pb.FreeRequest) -> FreeOp:
@@ -349,6 +360,7 @@ def allocate_request(op: AllocateOp) -> pb.AllocateRequest:
         lora_path=op.lora.path if op.lora else "",
         mm_features=[pb.MMFeature(identifier=m.identifier, offset=m.offset, length=m.length) for m in op.mm_features],
         skip_prefix_cache=op.skip_prefix_cache,
+        retention=retention_message(op.retention),
     )
 
 

@@ -39,12 +39,18 @@ def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> 
         help="blocks of a host-memory tier behind the pool (write-back on eviction; full-attention groups "
         "only); 0 means none (default: the config file's num_host_blocks, else 0)",
     )  # fmt: skip
+    group.add_argument(
+        "--retention-max-pinned-blocks", type=non_negative_int, metavar="N",
+        help="blocks that requests' retention TTLs may pin at once, all pins together (docs/retention.md); "
+        "a pin takes what room is left, and a prompt that alone fills more is refused; 0 turns pins off "
+        "(default: the config file's retention_max_pinned_blocks, else a tenth of --num-blocks)",
+    )  # fmt: skip
     parser.set_defaults(default_num_blocks=default_num_blocks)
 
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
     """TLS, bearer tokens, tenants and Redis credentials; `security_options` reads them. Secrets come from files only."""
-    group = parser.add_argument_group("security (see the README's Security section)")
+    group = parser.add_argument_group("security (see docs/security.md)")
     group.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve gRPC over TLS with this certificate chain (PEM)")
     group.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
     group.add_argument(
@@ -118,6 +124,8 @@ def build_config(args: argparse.Namespace, **overrides: Any) -> KVCacheConfig:
         values["hash_seed"] = args.hash_seed
     if args.num_host_blocks is not None:
         values["num_host_blocks"] = args.num_host_blocks
+    if args.retention_max_pinned_blocks is not None:
+        values["retention_max_pinned_blocks"] = args.retention_max_pinned_blocks
     values.update(overrides)
     return KVCacheConfig.from_dict(values)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
@@ -25,6 +26,14 @@ class BlockPool:
     those with a hash are appended together at the tail (LRU), each group
     keeping the batch order. A cached free block stays findable until it is
     popped for reuse: only then does it lose its hash (lazy eviction).
+
+    Retention priorities (docs/retention.md) cut the queue into segments.
+    Head to tail it holds the unhashed blocks and the cached blocks of
+    priority 0 (the whole queue, exactly as above, while no block has a
+    priority), then the free cached blocks of each priority, lowest first,
+    each segment in LRU order. So a free block of priority p is evicted only
+    after every free block of a lower priority; a freed block goes to the end
+    of its priority's segment. Only a cached block has a priority > 0.
     """
 
     def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool, enable_events: bool) -> None:
@@ -48,6 +57,12 @@ class BlockPool:
         self.num_evictions = 0
         # The host tier behind this pool, if any: an evicted cached block is offered to it.
         self.host_tier: HostTier | None = None
+        # Retention priorities > 0 of cached blocks (any other block has priority 0); the first free
+        # block of each priority's segment, and the priorities of the segments in ascending order. All
+        # empty while no request sets a priority, and every path then runs as if they did not exist.
+        self.priorities: dict[KVCacheBlock, int] = {}
+        self._segment_heads: dict[int, KVCacheBlock] = {}
+        self._segment_order: list[int] = []
 
     # -- queries ---------------------------------------------------------------
 
@@ -75,6 +90,8 @@ class BlockPool:
         third of an admission that evicts.
         """
         blocks = self.free_queue.popleft_n(num_blocks)
+        if self._segment_heads:
+            self._after_popleft()
         removed: dict[int, list[BlockHash]] = {}
         for block in blocks:
             if block.block_hash is not None:
@@ -111,8 +128,11 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on each block, rescuing free (cached) ones from the queue."""
+        segmented = bool(self._segment_heads)
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
+                if segmented:
+                    self._leave_segment(block)
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
@@ -130,8 +150,19 @@ class BlockPool:
             if block.ref_cnt == 0:
                 (to_head if block.block_hash is None else to_tail).append(block)
         self.free_queue.prepend_n(to_head)
-        self.free_queue.append_n(to_tail)
+        if self.priorities:
+            self._append_by_priority(to_tail)
+        else:
+            self.free_queue.append_n(to_tail)
         return len(to_head) + len(to_tail)
+
+    def raise_priority(self, blocks: Iterable[KVCacheBlock], priority: int) -> None:
+        """Give each cached block of `blocks`, all held (none in the free queue), at least `priority`."""
+        priorities = self.priorities
+        for block in blocks:
+            if block.block_hash is not None and priorities.get(block, 0) < priority:
+                assert block.ref_cnt > 0, f"{block} is free: its priority would not match its segment"
+                priorities[block] = priority
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
@@ -145,6 +176,9 @@ class BlockPool:
     def clear_cache(self) -> int:
         """Forget every cached hash, held blocks' included; returns how many there were. No event: the
         caller says why (AllBlocksCleared)."""
+        self.priorities.clear()
+        self._segment_heads.clear()
+        self._segment_order.clear()
         num_cached = 0
         for block in self.blocks:
             if block.block_hash is not None:
@@ -160,14 +194,23 @@ class BlockPool:
 
         Unlike an eviction nothing is offered to the host tier (their KV is not
         what the hash names) and no eviction is counted. Each stays where it
-        is, held or free: a free one is simply reused sooner or later. One
-        BlockRemoved per group.
+        is, held or free: a free one is simply reused sooner or later. A free
+        one with a retention priority leaves its segment for the head of the
+        queue, in block id order, where unhashed blocks go. One BlockRemoved
+        per group.
         """
         removed: dict[int, list[BlockHash]] = {}
+        unsegmented = []
         for block in blocks:
             if block.block_hash is not None:
                 removed.setdefault(block.group_id, []).append(block.block_hash)
+                if block.ref_cnt == 0 and block in self.priorities:
+                    self._leave_segment(block)
+                    self.free_queue.remove(block)
+                    unsegmented.append(block)
                 self._unindex(block)
+        if unsegmented:
+            self.free_queue.prepend_n(sorted(unsegmented, key=lambda b: b.block_id))
         if removed and self.enable_events:
             self.events += [BlockRemoved(group_id, tuple(hashes)) for group_id, hashes in removed.items()]
         return sum(len(hashes) for hashes in removed.values())
@@ -198,3 +241,59 @@ class BlockPool:
                 cached[block_hash] = next(iter(entry.values()))
         block.block_hash = None
         block.group_id = -1
+        if self.priorities:
+            self.priorities.pop(block, None)
+
+    # -- retention priorities: the free queue's segments (see the class docstring) --------
+
+    def restore_segments(self) -> None:
+        """Find the segments in the free queue, as restored with `priorities` (core/state.py)."""
+        self._segment_heads = {}
+        for block in self.free_queue:
+            priority = self.priorities.get(block, 0)
+            if priority:
+                self._segment_heads.setdefault(priority, block)
+        self._segment_order = sorted(self._segment_heads)
+
+    def _append_by_priority(self, blocks: list[KVCacheBlock]) -> None:
+        """Put the freed cached `blocks`, in order, each at the end of its priority's segment."""
+        if not blocks:
+            return
+        priorities = self.priorities
+        by_priority: dict[int, list[KVCacheBlock]] = {}
+        for block in blocks:
+            by_priority.setdefault(priorities.get(block, 0), []).append(block)
+        heads, order = self._segment_heads, self._segment_order
+        for priority in sorted(by_priority):
+            batch = by_priority[priority]
+            index = bisect_right(order, priority)  # the next higher segment, if any
+            if index < len(order):
+                self.free_queue.insert_before(heads[order[index]], batch)
+            else:
+                self.free_queue.append_n(batch)
+            if priority and priority not in heads:
+                heads[priority] = batch[0]
+                order.insert(index, priority)
+
+    def _leave_segment(self, block: KVCacheBlock) -> None:
+        """`block`, still in the free queue, is about to leave it: keep its segment's head right."""
+        priority = self.priorities.get(block, 0)
+        if priority and self._segment_heads[priority] is block:
+            following = block.next_free
+            if self.priorities.get(following, 0) == priority:
+                self._segment_heads[priority] = following
+            else:
+                del self._segment_heads[priority]
+                self._segment_order.remove(priority)
+
+    def _after_popleft(self) -> None:
+        """Blocks were popped from the head: drop or move the heads of the segments they reached."""
+        heads, order = self._segment_heads, self._segment_order
+        while order and heads[order[0]].prev_free is None:  # popped: the segments below went whole
+            priority = order[0]
+            first = self.free_queue.first()
+            if first is not None and self.priorities.get(first, 0) == priority:
+                heads[priority] = first
+                return
+            del heads[priority]
+            order.pop(0)

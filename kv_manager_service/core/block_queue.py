@@ -85,6 +85,15 @@ class FreeBlockQueue:
         """Put `blocks`, in order, at the head (reused first)."""
         self._insert_after(self._head, blocks)
 
+    def insert_before(self, anchor: KVCacheBlock, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks`, in order, right before `anchor`, a block in the queue."""
+        self._insert_after(anchor.prev_free, blocks)
+
+    def first(self) -> KVCacheBlock | None:
+        """The head (reused first), or None when the queue is empty."""
+        block = self._head.next_free
+        return None if block is self._tail else block
+
     def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
         while block is not self._tail:

@@ -55,58 +55,96 @@ is the pool's AllBlocksCleared, which covers both tiers.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
-from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
+from kv_manager_service.core.block_queue import KVCacheBlock
+from kv_manager_service.core.host_index import EMPTY, HostIndex, HostKeys
+from kv_manager_service.core.id_queue import IdQueue
 from kv_manager_service.shared.events import BlockRemoved, BlockStored, KVEvent, Tier
 from kv_manager_service.core.hashing import BlockHash
 from kv_manager_service.shared.ops import PendingTierCopy, TierCopy
 
 
-class HostBlock(KVCacheBlock):
-    """One block of host memory, id 0..num_host_blocks-1 (the host tier has no null block).
+class HostBlock(NamedTuple):
+    """A cache hit on the host: the host block holding `block_hash` when the hit was found.
 
-    A distinct type so that a cache hit, which may mix tiers, says where each
-    block lives. `ref_cnt` counts the pending tier copies that pin it.
+    A value, not the block (the tier keeps no object per block): a distinct
+    type so that a hit, which may mix tiers, says where each block lives.
     """
 
-    __slots__ = ()
+    block_id: int
+    block_hash: BlockHash
 
 
 class HostTier:
-    """The host pool: its blocks, pins, LRU free queue and hash index of each group.
+    """The host pool: its pins, LRU free queue and hash index, in flat arrays.
 
-    It reuses the device pool's pieces: `KVCacheBlock` (as `HostBlock`) and
-    `FreeBlockQueue`, with the same lazy eviction (a free host block stays
-    findable until it is popped for reuse). Unlike the device map, the host
-    index de-duplicates: a hash names at most one host block, because an
-    offload is skipped when the hash is already on the host.
+    Host blocks have ids 0..num_blocks-1 (no null block). Per block the tier
+    holds a pin count (`ref_cnts`, int32: the pending tier copies that pin
+    it), two free-queue links (`IdQueue`) and its hash and group
+    (`HostIndex`): with sha256 hashes 4 + 8 + 46 = 58 bytes per block, and
+    no per-block Python object, so a tier of 10^7 blocks starts at memory
+    speed (bench/host_tier_memory.py). The semantics are the device pool's: the same LRU free queue
+    order and lazy eviction (a free host block stays findable until it is
+    popped for reuse). Unlike the device map, the host index de-duplicates:
+    a hash names at most one host block, because an offload is skipped when
+    the hash is already on the host.
+
+    Invariant: a host block is in the free queue iff its ref_cnt is 0.
 
     The manager sets `step_id` when a step starts and drains the step's copies
     with `take_step_copies` when it ends; the device pool calls `offload`
     from its eviction path.
     """
 
-    def __init__(self, num_blocks: int, num_groups: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int, hash_num_bytes: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_host_blocks must be >= 1 for a host tier, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [HostBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: list[dict[BlockHash, HostBlock]] = [{} for _ in range(num_groups)]
+        self.ref_cnts = array("i", bytes(4 * num_blocks))
+        self.free_queue = IdQueue(num_blocks)
+        self.index = HostIndex(num_blocks, num_groups, hash_num_bytes)
         self.step_id = 0
         # The copies of the running step, in op order.
         self.offloads: list[TierCopy] = []
         self.onloads: list[TierCopy] = []
         # Copies not yet acknowledged, in step order, each pinning its host block:
-        # (step id, host block, the hash it was pinned under, the copy, is an onload).
-        self.pending: deque[tuple[int, HostBlock, BlockHash, TierCopy, bool]] = deque()
+        # (step id, host block id, the hash it was pinned under, the copy, is an onload).
+        self.pending: deque[tuple[int, int, BlockHash, TierCopy, bool]] = deque()
         self.num_offloaded_blocks = 0
         self.num_onloaded_blocks = 0
         self.num_evictions = 0
         self.num_dropped_offloads = 0
         self.num_hit_tokens = 0
+
+    # -- queries ----------------------------------------------------------------------
+
+    def find(self, group_id: int, block_hash: BlockHash) -> HostBlock | None:
+        """The host block holding `block_hash` in group `group_id`, if any; changes nothing."""
+        block_id = self.index.get(group_id, block_hash)
+        return HostBlock(block_id, block_hash) if block_id != EMPTY else None
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        return self.index.block_hash(block_id)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.index)
+
+    def cached_block_keys(self) -> HostKeys:
+        """Every (group id, block hash) the host index holds, free cached blocks included: a compact copy."""
+        group_ids, hashes, _ = self.index.columns()
+        return HostKeys(group_ids, hashes, self.index.hash_num_bytes)
+
+    def pending_copies(self) -> list[PendingTierCopy]:
+        return [PendingTierCopy(step_id, is_onload, copy) for step_id, _, _, copy, is_onload in self.pending]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tier's arrays (the pending copies of steps in flight aside)."""
+        return len(self.ref_cnts) * self.ref_cnts.itemsize + self.free_queue.nbytes + self.index.nbytes
 
     # -- the device pool's eviction path ------------------------------------------
 
@@ -123,28 +161,29 @@ class HostTier:
         evicted hash's HOST BlockRemoved, then the new hash's HOST BlockStored.
         """
         block_hash, group_id = device_block.block_hash, device_block.group_id
-        cached = self.cached[group_id]
-        host_block = cached.get(block_hash)
-        if host_block is not None:
-            if host_block.ref_cnt == 0:
-                self.free_queue.remove(host_block)
-                self.free_queue.append_n([host_block])
+        index, free_queue = self.index, self.free_queue
+        block_id = index.get(group_id, block_hash)
+        if block_id != EMPTY:
+            if self.ref_cnts[block_id] == 0:
+                free_queue.remove(block_id)
+                free_queue.append(block_id)
             return
-        if self.free_queue.num_free_blocks == 0:
+        if free_queue.num_free == 0:
             self.num_dropped_offloads += 1
             return
-        host_block = self.free_queue.popleft()
-        if host_block.block_hash is not None:
+        block_id = free_queue.popleft()
+        evicted_group_id = index.group_id(block_id)
+        if evicted_group_id != EMPTY:  # lazy eviction: the LRU block loses its hash only now
             if events is not None:
-                events.append(BlockRemoved(host_block.group_id, (host_block.block_hash,), Tier.HOST))
-            self._evict(host_block)
-        host_block.block_hash = block_hash
-        host_block.group_id = group_id
-        cached[block_hash] = host_block
+                events.append(BlockRemoved(evicted_group_id, (index.block_hash(block_id),), Tier.HOST))
+            index.remove(block_id)
+            self.num_evictions += 1
+        index.insert(block_id, group_id, block_hash)
         if events is not None:
             events.append(BlockStored(group_id, (block_hash,), None, 0, Tier.HOST))
-        copy = TierCopy(device_block.block_id, host_block.block_id)
-        self._pin(host_block, block_hash, copy, is_onload=False)
+        copy = TierCopy(device_block.block_id, block_id)
+        self.ref_cnts[block_id] += 1
+        self.pending.append((self.step_id, block_id, block_hash, copy, False))
         self.offloads.append(copy)
         self.num_offloaded_blocks += 1
 
@@ -156,14 +195,15 @@ class HostTier:
         Popping device blocks may offload and so evict host blocks; a pinned
         one is out of the free queue and safe. `record_onload` names the copy.
         """
-        if host_block.ref_cnt == 0:
-            self.free_queue.remove(host_block)
-        host_block.ref_cnt += 1
+        block_id = host_block.block_id
+        if self.ref_cnts[block_id] == 0:
+            self.free_queue.remove(block_id)
+        self.ref_cnts[block_id] += 1
 
     def record_onload(self, host_block: HostBlock, device_block: KVCacheBlock) -> None:
         """Queue host -> device for the running step; the pin taken by `pin_for_onload` is now the copy's."""
         copy = TierCopy(device_block.block_id, host_block.block_id)
-        self.pending.append((self.step_id, host_block, host_block.block_hash, copy, True))
+        self.pending.append((self.step_id, host_block.block_id, host_block.block_hash, copy, True))
         self.onloads.append(copy)
         self.num_onloaded_blocks += 1
 
@@ -181,59 +221,34 @@ class HostTier:
         (most recently used) if it is still cached, at the head if a reset
         took its hash.
         """
-        pending = self.pending
+        pending, ref_cnts, index, free_queue = self.pending, self.ref_cnts, self.index, self.free_queue
         num_released = 0
         while pending and pending[0][0] <= step_id:
-            host_block = pending.popleft()[1]
-            host_block.ref_cnt -= 1
-            if host_block.ref_cnt == 0:
-                if host_block.block_hash is None:
-                    self.free_queue.prepend_n([host_block])
+            block_id = pending.popleft()[1]
+            ref_cnts[block_id] -= 1
+            if ref_cnts[block_id] == 0:
+                if index.group_id(block_id) == EMPTY:
+                    free_queue.prepend(block_id)
                 else:
-                    self.free_queue.append_n([host_block])
+                    free_queue.append(block_id)
             num_released += 1
         return num_released
 
-    def cached_block_keys(self) -> set[tuple[int, BlockHash]]:
-        """Every (group id, block hash) the host index holds; free cached blocks included."""
-        return {(group_id, block_hash) for group_id, cached in enumerate(self.cached) for block_hash in cached}
-
-    def pending_copies(self) -> list[PendingTierCopy]:
-        return [PendingTierCopy(step_id, is_onload, copy) for step_id, _, _, copy, is_onload in self.pending]
-
     def reset(self) -> None:
         """Forget every host hash. Pinned blocks stay pinned until their copies are acknowledged."""
-        for block in self.blocks:
-            block.block_hash = None
-            block.group_id = -1
-        for cached in self.cached:
-            cached.clear()
+        self.index.clear()
 
-    def uncache(self, host_blocks: Iterable[HostBlock], events: list[KVEvent] | None = None) -> int:
-        """Take the hashed ones of `host_blocks` out of the host index (their KV is not what the hash
+    def uncache(self, host_block_ids: Iterable[int], events: list[KVEvent] | None = None) -> int:
+        """Take the hashed ones of `host_block_ids` out of the host index (their KV is not what the hash
         names); returns how many. Pinned ones stay pinned until acknowledged. With `events`, one HOST
         BlockRemoved per group is appended to it."""
+        index = self.index
         removed: dict[int, list[BlockHash]] = {}
-        for host_block in host_blocks:
-            if host_block.block_hash is not None:
-                removed.setdefault(host_block.group_id, []).append(host_block.block_hash)
-                self._unindex(host_block)
+        for block_id in host_block_ids:
+            group_id = index.group_id(block_id)
+            if group_id != EMPTY:
+                removed.setdefault(group_id, []).append(index.block_hash(block_id))
+                index.remove(block_id)
         if events is not None:
             events += [BlockRemoved(group_id, tuple(hashes), Tier.HOST) for group_id, hashes in removed.items()]
         return sum(len(hashes) for hashes in removed.values())
-
-    # -- internals --------------------------------------------------------------------
-
-    def _pin(self, host_block: HostBlock, block_hash: BlockHash, copy: TierCopy, is_onload: bool) -> None:
-        host_block.ref_cnt += 1
-        self.pending.append((self.step_id, host_block, block_hash, copy, is_onload))
-
-    def _evict(self, host_block: HostBlock) -> None:
-        self._unindex(host_block)
-        self.num_evictions += 1
-
-    def _unindex(self, host_block: HostBlock) -> None:
-        """Take the hashed `host_block` out of its group's index; it loses its hash."""
-        del self.cached[host_block.group_id][host_block.block_hash]
-        host_block.block_hash = None
-        host_block.group_id = -1

@@ -12,7 +12,9 @@ Invariant kept here (and checked by `invariants.check_invariants`): a lost
 request is live, and stays lost until it is freed; every op on it answers
 `KV_LOST` and changes nothing. Its blocks stay in its tables, so reference
 counts are untouched; `num_cached_blocks` is cut to the first block that is no
-longer cached, so the cached prefix of every table is still cached.
+longer cached, so the cached prefix of every table is still cached. A
+retention pin lets go of the blocks that left the cache (pins.py), so a pin
+holds cached blocks only.
 """
 
 from __future__ import annotations
@@ -76,10 +78,12 @@ def invalidate_blocks(
     _check_ids(host_block_ids, host_tier.num_blocks if host_tier is not None else 0, "host_block_ids")
     blocks = {pool.blocks[block_id] for block_id in device_block_ids if block_id}
     num_blocks = pool.uncache(blocks)
+    if num_blocks and manager.pins.pins:
+        manager.pins.drop_uncached()
     num_host_blocks = 0
     if host_tier is not None and host_block_ids:
         events = pool.events if pool.enable_events else None
-        num_host_blocks = host_tier.uncache([host_tier.blocks[i] for i in host_block_ids], events)
+        num_host_blocks = host_tier.uncache(host_block_ids, events)
     lost = [manager.requests[r] for r in dict.fromkeys(request_ids) if r in manager.requests]
     if blocks:
         lost += [r for r in manager.requests.values() if _reads_any(r, blocks, manager)]
@@ -91,10 +95,11 @@ def invalidate_all(manager: KVCacheManager, cause: KVLossCause) -> Invalidation:
     with computed tokens becomes lost. Pinned host blocks stay pinned until acknowledged."""
     pool = manager.pool
     num_blocks = pool.clear_cache()
+    manager.pins.release_all()
     num_host_blocks = 0
     host_tier = manager.host_tier
     if host_tier is not None:
-        num_host_blocks = sum(len(cached) for cached in host_tier.cached)
+        num_host_blocks = host_tier.num_cached_blocks
         host_tier.reset()
     if (num_blocks or num_host_blocks) and pool.enable_events:
         pool.events.append(AllBlocksCleared())
@@ -110,6 +115,8 @@ def uncache_past(manager: KVCacheManager, request: RequestState, num_computed_to
     for group, table in zip(manager.managers, request.tables):
         blocks.update(block for block in table[num_computed_tokens // group.block_size :] if not block.is_null)
     num_blocks = manager.pool.uncache(blocks)
+    if num_blocks and manager.pins.pins:
+        manager.pins.drop_uncached()
     lost = [r for r in manager.requests.values() if r is not request and _reads_any(r, blocks, manager)]
     return _finish(manager, KVLossCause.NOT_COMPUTED, num_blocks, 0, lost)
 

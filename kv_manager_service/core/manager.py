@@ -56,12 +56,14 @@ from kv_manager_service.shared.ops import (
     PendingCopy,
     PendingTierCopy,
     PrefixLookupKeys,
+    Retention,
     Stats,
     StepDelta,
     StepResult,
 )
 from kv_manager_service.core.invalidation import KVLosses, invalidate_all, invalidate_blocks, uncache_past
 from kv_manager_service.core.invariants import check_invariants
+from kv_manager_service.core.pins import Pins
 from kv_manager_service.core.request import RequestState
 from kv_manager_service.core.state import CoreState, export_state, restore_state
 from kv_manager_service.core.validation import StepValidator, check_mm_features, check_token_ids
@@ -75,15 +77,19 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.hash_block_size = config.hash_block_size
         self.pool = BlockPool(config.num_blocks, len(config.groups), self.enable_caching, config.enable_events)
+        self.hasher = BlockHasher(self.hash_block_size, config.hash_algorithm, config.hash_seed)
         # The host tier, or None: every tier path is behind this one test, so without it nothing changes.
-        self.host_tier = HostTier(config.num_host_blocks, len(config.groups)) if config.num_host_blocks else None
+        self.host_tier = (
+            HostTier(config.num_host_blocks, len(config.groups), len(self.hasher.root_hash))
+            if config.num_host_blocks
+            else None
+        )
         self.pool.host_tier = self.host_tier
         self.managers = [
             make_group_manager(group_id, spec, self.pool, self.hash_block_size)
             for group_id, spec in enumerate(config.groups)
         ]
         self.coordinator = KVCacheCoordinator(self.managers, config.lcm_block_size)
-        self.hasher = BlockHasher(self.hash_block_size, config.hash_algorithm, config.hash_seed)
         self.requests: dict[str, RequestState] = {}
         self._validator = StepValidator(self.requests, config)
         self.last_step_id = 0
@@ -111,6 +117,8 @@ class KVCacheManager:
         # Live requests whose KV the workers do not hold, and why (see invalidation.py); empty almost always.
         self.lost: dict[str, KVLossCause] = {}
         self.kv_losses = KVLosses()
+        # Retention pins (pins.py); their blocks' priorities live in the pool (docs/retention.md).
+        self.pins = Pins(self.pool, config.max_pinned_blocks)
 
     # -- the scheduler's calls ---------------------------------------------------
 
@@ -125,6 +133,7 @@ class KVCacheManager:
         lora: LoraRef | None = None,
         mm_features: Sequence[MMFeature] = (),
         skip_prefix_cache: bool = False,
+        retention: Retention | None = None,
     ) -> AllocateResult:
         """One allocate op as a step of its own. See `AllocateOp` and `step`."""
         op = AllocateOp(
@@ -137,6 +146,7 @@ class KVCacheManager:
             lora,
             tuple(mm_features),
             skip_prefix_cache,
+            retention,
         )
         return self.step((op,)).results[0]
 
@@ -259,6 +269,30 @@ class KVCacheManager:
         if self.host_tier is not None:
             self.host_tier.release(step_id)
         return num_released
+
+    # -- retention pins (pins.py): the server owns their clock ---------------------------
+
+    def expire_pins(self, pin_ids: Sequence[int]) -> int:
+        """The server's clock says these pins' TTLs have passed: release them, in order.
+
+        Their blocks stay cached, each back in the free queue (evictable, at
+        its priority) once nothing else holds it; returns how many went back.
+        Not a step: no step id, no delta, no event. An id that names no live
+        pin is InvalidArgumentError, and nothing changes.
+        """
+        return self.pins.expire(pin_ids)
+
+    def take_new_pins(self) -> list[tuple[int, int]]:
+        """(pin id, ttl ms) of each live pin made since the last call, oldest first: the pins whose
+        clocks the server starts."""
+        return self.pins.take_new() if self.pins.new else []
+
+    def has_pin(self, pin_id: int) -> bool:
+        return pin_id in self.pins.pins
+
+    def live_pins(self) -> list[tuple[int, int]]:
+        """(pin id, ttl ms) of every live pin, oldest first."""
+        return [(pin.pin_id, pin.ttl_ms) for pin in self.pins.pins.values()]
 
     # -- rollback: KV the workers do not hold (see invalidation.py) -------------------
 
@@ -388,7 +422,7 @@ class KVCacheManager:
             return None
         return HostTierStats(
             num_host_blocks=host_tier.num_blocks,
-            num_free_host_blocks=host_tier.free_queue.num_free_blocks,
+            num_free_host_blocks=host_tier.free_queue.num_free,
             prefix_cache_host_hits=host_tier.num_hit_tokens,
             num_offloaded_blocks=host_tier.num_offloaded_blocks,
             num_onloaded_blocks=host_tier.num_onloaded_blocks,
@@ -408,13 +442,19 @@ class KVCacheManager:
             num_evictions=self.pool.num_evictions,
             num_pending_copies=len(self._pending_copies),
             kv_losses=self.kv_losses.counts(),
+            num_pins=len(self.pins.pins),
+            num_pinned_blocks=len(self.pins.counts),
+            num_unpinned_blocks=self.pins.num_unpinned_blocks,
         )
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the whole prefix cache, both tiers. Refused (False) while any device block is held.
+        """Forget the whole prefix cache, both tiers. Refused (False) while any device block is held
+        by a request or a pending copy; retention pins are released first, since they hold only cache.
 
         Host blocks pinned by pending copies stay pinned until acknowledged.
         """
+        if self.pins.pins and not self.requests and not self._pending_copies:
+            self.pins.release_all()
         if not self.pool.reset_prefix_cache():
             return False
         if self.host_tier is not None:
@@ -456,7 +496,7 @@ class KVCacheManager:
             num_needed += max(0, manager.num_required_blocks(need_slots, op.num_encoder_tokens) - len(hit))
             # A hit block still in the free queue leaves it when adopted; a host hit needs a device block.
             num_needed += sum(
-                1 for block in hit if (block.ref_cnt == 0 and not block.is_null) or type(block) is HostBlock
+                1 for block in hit if type(block) is HostBlock or (block.ref_cnt == 0 and not block.is_null)
             )
         if num_needed > self.pool.get_num_free_blocks() - self._reserve:
             return AllocateResult(AllocateStatus.NO_SPACE, 0, 0, self._no_groups, (), step_id)
@@ -487,6 +527,13 @@ class KVCacheManager:
             for manager, table, hit in zip(managers, tables, hits)
         ]
         num_hashed = len(block_hashes) * self.hash_block_size
+        retention = op.retention
+        if retention is not None:
+            if retention == _NO_RETENTION or not self.enable_caching:
+                retention = None
+            elif retention.priority:
+                for table in tables:
+                    self.pool.raise_priority(table, retention.priority)
         self.requests[op.request_id] = RequestState(
             op.request_id,
             num_tokens,
@@ -497,6 +544,7 @@ class KVCacheManager:
             list(token_ids[num_hashed:]) if self.enable_caching else [],
             tables,
             num_cached_blocks,
+            retention,
         )
         if self.enable_caching and not op.skip_prefix_cache:
             self.prefix_cache_queries += num_tokens
@@ -673,9 +721,14 @@ class KVCacheManager:
             if grows and num_new_blocks[group_id]:
                 tables[group_id] += self.pool.get_new_blocks(num_new_blocks[group_id])
             if num_cached_blocks[group_id] < num_committed // manager.block_size:
+                num_cached = num_cached_blocks[group_id]
                 num_cached_blocks[group_id] = manager.cache_blocks(
-                    tables[group_id], request.block_hashes, num_cached_blocks[group_id], num_committed
+                    tables[group_id], request.block_hashes, num_cached, num_committed
                 )
+                if request.retention is not None and request.retention.priority:
+                    self.pool.raise_priority(
+                        tables[group_id][num_cached : num_cached_blocks[group_id]], request.retention.priority
+                    )
         request.num_computed_tokens = num_committed
 
     def _continue_into_delta(
@@ -797,13 +850,16 @@ class KVCacheManager:
         del tail[: len(new_hashes) * self.hash_block_size]
 
     def _free(self, request_ids: Sequence[str]) -> int:
-        """Free requests in order; each group's table last-to-first as one batch."""
+        """Free requests in order; each group's table last-to-first as one batch. A request with a
+        retention TTL first pins its cached blocks (pins.py), so they never reach the free queue."""
         num_freed = 0
         lost = self.lost
         for request_id in request_ids:
             request = self.requests.pop(request_id)
             if lost:
                 lost.pop(request_id, None)
+            if request.retention is not None and request.retention.ttl_ms:
+                self.pins.pin(request, self.managers)
             for table in request.tables:
                 num_freed += self.pool.free_blocks(reversed(table))
         return num_freed
@@ -844,6 +900,9 @@ class KVCacheManager:
         See `invariants.check_invariants`; O(pool + tables), for tests.
         """
         check_invariants(self)
+
+
+_NO_RETENTION = Retention()
 
 
 def _extras(cache_salt: str | None, lora: LoraRef | None, mm_features: tuple[MMFeature, ...]) -> HashExtras:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.core.hashing import BlockHash, HashExtras
+from kv_manager_service.shared.ops import Retention
 
 
 class RequestState:
@@ -14,7 +15,8 @@ class RequestState:
 
     Invariants: `num_computed_tokens <= num_tokens`; `block_hashes` has one
     entry per full hash block of the `num_tokens` known tokens (when caching);
-    `tables[g][:num_cached_blocks[g]]` are cached or null.
+    `tables[g][:num_cached_blocks[g]]` are cached or null. `retention` is None
+    unless the request asked for a priority or a pin (docs/retention.md).
     """
 
     __slots__ = (
@@ -27,6 +29,7 @@ class RequestState:
         "tail_token_ids",
         "tables",
         "num_cached_blocks",
+        "retention",
     )
 
     def __init__(
@@ -40,6 +43,7 @@ class RequestState:
         tail_token_ids: list[int],
         tables: list[list[KVCacheBlock]],
         num_cached_blocks: list[int],
+        retention: Retention | None = None,
     ) -> None:
         self.request_id = request_id
         self.num_tokens = num_tokens
@@ -50,6 +54,7 @@ class RequestState:
         self.tail_token_ids = tail_token_ids
         self.tables = tables
         self.num_cached_blocks = num_cached_blocks
+        self.retention = retention
 
     def fork(self, child_id: str) -> "RequestState":
         """A child sharing every block (the caller takes the references)."""
@@ -63,4 +68,5 @@ class RequestState:
             list(self.tail_token_ids),
             [list(table) for table in self.tables],
             list(self.num_cached_blocks),
+            self.retention,
         )

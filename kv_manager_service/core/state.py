@@ -10,14 +10,18 @@ links).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
+from kv_manager_service.core.host_index import EMPTY
 from kv_manager_service.core.host_tier import HostTier
+from kv_manager_service.core.id_queue import IdQueue
 from kv_manager_service.core.invariants import check_invariants
-from kv_manager_service.shared.ops import KVLossCause, KVLossCount, TierCopy
+from kv_manager_service.core.pins import Pin
+from kv_manager_service.shared.ops import KVLossCause, KVLossCount, Retention, TierCopy
 from kv_manager_service.core.request import RequestState
 
 if TYPE_CHECKING:
@@ -38,21 +42,37 @@ class RequestExport:
     block_ids: tuple[tuple[int, ...], ...]
     num_cached_blocks: tuple[int, ...]
     lost_cause: KVLossCause | None = None  # None: its KV is not lost
+    retention: Retention | None = None
+
+
+@dataclass(frozen=True)
+class PinExport:
+    """One retention pin (pins.py); its block ids in token order."""
+
+    pin_id: int
+    request_id: str
+    ttl_ms: int
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class HostTierState:
     """The host tier's state between steps (it has no copies of a running step then).
 
-    `free_host_block_ids`: its free queue, head (reused first) to tail.
-    `cached`: (group id, block hash, host block id) in the order of the group's
-    host index. `pending`: (step id, is an onload, device block id, host block
-    id, the hash the host block was pinned under) in step order; each pins its
-    host block, so the host blocks' reference counts are derived from them.
+    Columns, not an object per block, so that a tier of millions of blocks
+    exports compactly (int arrays on export). `free_host_block_ids`: its
+    free queue, head (reused first) to tail. The cached host blocks, in host
+    block id order: `cached_group_ids`, `cached_block_hashes` (their hashes
+    end to end, all of the hasher's length) and `cached_host_block_ids`.
+    `pending`: (step id, is an onload, device block id, host block id, the
+    hash the host block was pinned under) in step order; each pins its host
+    block, so the host blocks' reference counts are derived from them.
     """
 
-    free_host_block_ids: tuple[int, ...]
-    cached: tuple[tuple[int, BlockHash, int], ...]
+    free_host_block_ids: Sequence[int]
+    cached_group_ids: Sequence[int]
+    cached_block_hashes: bytes
+    cached_host_block_ids: Sequence[int]
     pending: tuple[tuple[int, bool, int, int, BlockHash], ...]
     num_offloaded_blocks: int
     num_onloaded_blocks: int
@@ -69,7 +89,10 @@ class CoreState:
     `cached`: (group id, block hash, block id) in the order of the group's
     hash map, the blocks of one hash in the order a hit picks them.
     `requests`: oldest first. `pending_copies`: (step id, src, dst) in step order.
-    `host_tier`: None without a host tier.
+    `host_tier`: None without a host tier. Retention (docs/retention.md):
+    `block_priorities` (block id, priority) of the cached blocks with a
+    priority > 0, in block id order; `pins` oldest first; `num_pins_made`,
+    the last pin id made (0: none).
     """
 
     last_step_id: int
@@ -82,6 +105,10 @@ class CoreState:
     num_evictions: int
     host_tier: HostTierState | None = None
     kv_losses: tuple[KVLossCount, ...] = ()
+    block_priorities: tuple[tuple[int, int], ...] = ()
+    pins: tuple[PinExport, ...] = ()
+    num_pins_made: int = 0
+    num_unpinned_blocks: int = 0
 
 
 def export_state(manager: KVCacheManager) -> CoreState:
@@ -107,9 +134,11 @@ def export_state(manager: KVCacheManager) -> CoreState:
             tuple(tuple([b.block_id for b in table]) for table in r.tables),
             tuple(r.num_cached_blocks),
             manager.lost.get(r.request_id),
+            r.retention,
         )
         for r in manager.requests.values()
     )
+    pins = manager.pins
     return CoreState(
         manager.last_step_id,
         tuple([b.block_id for b in pool.free_queue]),
@@ -121,18 +150,21 @@ def export_state(manager: KVCacheManager) -> CoreState:
         pool.num_evictions,
         _export_host_tier(manager.host_tier) if manager.host_tier is not None else None,
         manager.kv_losses.counts(),
+        tuple(sorted((b.block_id, priority) for b, priority in pool.priorities.items())),
+        tuple(
+            PinExport(pin.pin_id, pin.request_id, pin.ttl_ms, tuple([b.block_id for b in pin.blocks]))
+            for pin in pins.pins.values()
+        ),
+        pins.next_pin_id - 1,
+        pins.num_unpinned_blocks,
     )
 
 
 def _export_host_tier(host_tier: HostTier) -> HostTierState:
     assert not host_tier.offloads and not host_tier.onloads, "a state is exported between steps"
     return HostTierState(
-        tuple([b.block_id for b in host_tier.free_queue]),
-        tuple(
-            (group_id, block_hash, b.block_id)
-            for group_id, cached in enumerate(host_tier.cached)
-            for block_hash, b in cached.items()
-        ),
+        array("i", host_tier.free_queue),
+        *host_tier.index.columns(),
         tuple(
             (step_id, is_onload, copy.device_block_id, copy.host_block_id, block_hash)
             for step_id, _, block_hash, copy, is_onload in host_tier.pending
@@ -189,6 +221,7 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
             list(r.tail_token_ids),
             tables,
             list(r.num_cached_blocks),
+            r.retention,
         )
         if r.lost_cause is not None:
             manager.lost[r.request_id] = r.lost_cause
@@ -200,6 +233,10 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
             b.ref_cnt += 1
             retained[b] = retained.get(b, 0) + 1
         manager._pending_copies.append((step_id, src, dst))
+    for block_id, priority in state.block_priorities:
+        pool.priorities[block(block_id)] = priority
+    pool.restore_segments()
+    _restore_pins(manager, state, block)
     manager.last_step_id = state.last_step_id
     manager.prefix_cache_queries = state.prefix_cache_queries
     manager.prefix_cache_hits = state.prefix_cache_hits
@@ -212,26 +249,56 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
         raise ValueError(f"the state is inconsistent: {error}") from None
 
 
+def _restore_pins(manager: KVCacheManager, state: CoreState, block: Callable[[int], KVCacheBlock]) -> None:
+    """Rebuild the pins and their references; the caller checks the invariants after."""
+    pins = manager.pins
+    for p in state.pins:
+        blocks = [block(block_id) for block_id in p.block_ids]
+        for b in blocks:
+            b.ref_cnt += 1
+            pins.counts[b] = pins.counts.get(b, 0) + 1
+        pins.pins[p.pin_id] = Pin(p.pin_id, p.request_id, p.ttl_ms, blocks)
+    pins.next_pin_id = state.num_pins_made + 1
+    pins.num_unpinned_blocks = state.num_unpinned_blocks
+
+
 def _restore_host_tier(host_tier: HostTier, state: HostTierState, last_step_id: int) -> None:
     """Make the fresh `host_tier` hold `state`; the caller checks the invariants after."""
-    host_block = _block_by_id(host_tier.blocks, "host block", "the host tier")
-    host_tier.free_queue = _fresh_free_queue(host_tier.blocks, state.free_host_block_ids, host_block)
-    for group_id, block_hash, block_id in state.cached:
-        if not 0 <= group_id < len(host_tier.cached):
-            raise ValueError(f"host index group id {group_id} is outside the {len(host_tier.cached)} groups")
-        b = host_block(block_id)
-        b.block_hash, b.group_id = block_hash, group_id
-        host_tier.cached[group_id][block_hash] = b
-    for step_id, is_onload, device_block_id, host_block_id, block_hash in state.pending:
-        b = host_block(host_block_id)
-        b.ref_cnt += 1
-        host_tier.pending.append((step_id, b, block_hash, TierCopy(device_block_id, host_block_id), is_onload))
+    index = host_tier.index
+    host_block_id = _check_id(host_tier.num_blocks, "host block", "the host tier")
+    host_tier.free_queue = IdQueue.of(host_tier.num_blocks, map(host_block_id, state.free_host_block_ids))
+    w = index.hash_num_bytes
+    num_cached = len(state.cached_host_block_ids)
+    if not (len(state.cached_group_ids) == num_cached and len(state.cached_block_hashes) == num_cached * w):
+        raise ValueError(f"the host index's columns disagree: {num_cached} cached blocks of {w}-byte hashes")
+    hashes = state.cached_block_hashes
+    for i, (group_id, block_id) in enumerate(zip(state.cached_group_ids, state.cached_host_block_ids)):
+        if not 0 <= group_id < index.num_groups:
+            raise ValueError(f"host index group id {group_id} is outside the {index.num_groups} groups")
+        block_hash = BlockHash(hashes[i * w : i * w + w])
+        if index.group_id(host_block_id(block_id)) != EMPTY or index.get(group_id, block_hash) != EMPTY:
+            raise ValueError(f"host block {block_id} or its hash is twice in the host index")
+        index.insert(block_id, group_id, block_hash)
+    for step_id, is_onload, device_block_id, block_id, block_hash in state.pending:
+        host_tier.ref_cnts[host_block_id(block_id)] += 1
+        host_tier.pending.append((step_id, block_id, block_hash, TierCopy(device_block_id, block_id), is_onload))
     host_tier.step_id = last_step_id
     host_tier.num_offloaded_blocks = state.num_offloaded_blocks
     host_tier.num_onloaded_blocks = state.num_onloaded_blocks
     host_tier.num_evictions = state.num_evictions
     host_tier.num_dropped_offloads = state.num_dropped_offloads
     host_tier.num_hit_tokens = state.num_hit_tokens
+
+
+def _check_id(num_ids: int, noun: str, where: str) -> Callable[[int], int]:
+    """`block_id` itself, or ValueError naming the id and the range of `where`."""
+
+    def check(block_id: int) -> int:
+        if not 0 <= block_id < num_ids:
+            raise ValueError(f"{noun} id {block_id} is outside {where} of {num_ids} blocks")
+        return block_id
+
+    return check
 
 
 def _block_by_id(blocks: Sequence[KVCacheBlock], noun: str, where: str) -> Callable[[int], KVCacheBlock]:

@@ -15,10 +15,11 @@ from kv_manager_service.shared.errors import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.hashing import MMFeature
-from kv_manager_service.shared.ops import AllocateOp, DecodeBatch, ForkOp, FreeOp, Op
+from kv_manager_service.shared.ops import MAX_RETENTION_PRIORITY, AllocateOp, DecodeBatch, ForkOp, FreeOp, Op, Retention
 from kv_manager_service.core.request import RequestState
 
 MAX_TOKEN_ID = (1 << 32) - 1
+_NO_RETENTION = Retention()
 
 
 class StepValidator:
@@ -169,6 +170,8 @@ class StepValidator:
                 )
             self._check_length(op, len(token_ids))
             check_mm_features(op.mm_features, len(token_ids))
+            if op.retention is not None:
+                self._check_retention(op)
             return 1
         num_tokens = request.num_tokens + len(token_ids)
         if num_tokens == request.num_computed_tokens:
@@ -179,8 +182,14 @@ class StepValidator:
             )
         if num_tokens + num_lookahead_tokens > self.config.max_model_len:
             self._check_length(op, num_tokens)
-        if op.cache_salt or op.lora is not None or op.mm_features or num_encoder_tokens:
+        if op.cache_salt or op.lora is not None or op.mm_features or num_encoder_tokens or op.retention is not None:
             extras = request.extras
+            if op.retention is not None and (request.retention or _NO_RETENTION) != op.retention:
+                raise InvalidArgumentError(
+                    f"retention is fixed by the first allocate of request {request_id!r}; a continuation may "
+                    "repeat it, not change it",
+                    "retention",
+                )
             if (
                 (op.cache_salt and op.cache_salt != extras.cache_salt)
                 or (op.lora is not None and op.lora != extras.lora)
@@ -193,6 +202,32 @@ class StepValidator:
                     "cache_salt",
                 )
         return 0
+
+    def _check_retention(self, op: AllocateOp) -> None:
+        """A first allocate's retention (docs/retention.md): a priority in range, a TTL >= 0, and a pin
+        the quota could hold at all: a prompt whose full blocks alone exceed it is refused."""
+        retention = op.retention
+        if type(retention) is not Retention:
+            raise InvalidArgumentError(f"retention must be a Retention, got {type(retention).__name__}", "retention")
+        priority, ttl_ms = retention
+        if type(priority) is not int or not 0 <= priority <= MAX_RETENTION_PRIORITY:
+            raise InvalidArgumentError(
+                f"retention.priority must be an integer in 0..{MAX_RETENTION_PRIORITY}, got {priority!r}",
+                "retention.priority",
+            )
+        if type(ttl_ms) is not int or ttl_ms < 0:
+            raise InvalidArgumentError(f"retention.ttl_ms must be an integer >= 0, got {ttl_ms!r}", "retention.ttl_ms")
+        if (priority or ttl_ms) and not self.config.enable_prefix_caching:
+            raise FailedPreconditionError("retention keeps cached blocks, and this pool has prefix caching off", "retention")
+        if ttl_ms:
+            limit = self.config.max_pinned_blocks
+            num_blocks = sum(len(op.token_ids) // g.block_size for g in self.config.groups if g.cacheable)
+            if not limit or num_blocks > limit:
+                raise InvalidArgumentError(
+                    f"retention.ttl_ms pins the request's cached blocks, and its prompt alone fills {num_blocks}; "
+                    f"the limit retention_max_pinned_blocks is {limit}",
+                    "retention.ttl_ms",
+                )
 
     def _check_length(self, op: AllocateOp, num_tokens: int) -> None:
         limit = self.config.max_model_len

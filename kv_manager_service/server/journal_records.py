@@ -54,6 +54,12 @@ class PrefixCacheReset(NamedTuple):
     pass
 
 
+class PinsExpired(NamedTuple):
+    """The manager's clock expired these retention pins (see `Replica.expire_pins`)."""
+
+    pin_ids: tuple[int, ...]
+
+
 class SnapshotTaken(NamedTuple):
     """The replica's whole state (snapshot.py encodes and restores it); only right after the header."""
 
@@ -61,7 +67,14 @@ class SnapshotTaken(NamedTuple):
 
 
 Entry = Union[
-    StepApplied, WorkerRegistered, StepsAcked, WorkerUnregistered, MissingKVReported, PrefixCacheReset, SnapshotTaken
+    StepApplied,
+    WorkerRegistered,
+    StepsAcked,
+    WorkerUnregistered,
+    MissingKVReported,
+    PrefixCacheReset,
+    PinsExpired,
+    SnapshotTaken,
 ]
 
 
@@ -94,6 +107,8 @@ def encode(entry: Entry) -> jpb.JournalRecord:
         )
     if kind is PrefixCacheReset:
         return jpb.JournalRecord(reset_prefix_cache=jpb.PrefixCacheReset())
+    if kind is PinsExpired:
+        return jpb.JournalRecord(pins_expired=jpb.PinsExpired(pin_ids=entry.pin_ids))
     assert kind is SnapshotTaken, entry
     return jpb.JournalRecord(snapshot=entry.snapshot)
 
@@ -125,6 +140,8 @@ def decode(record: jpb.JournalRecord) -> Entry:
         return MissingKVReported(report)
     if kind == "reset_prefix_cache":
         return PrefixCacheReset()
+    if kind == "pins_expired":
+        return PinsExpired(tuple(record.pins_expired.pin_ids))
     if kind == "snapshot":
         return SnapshotTaken(record.snapshot)
     raise ValueError(f"unexpected journal record {kind!r}")

@@ -1,20 +1,23 @@
 """Will the manager fit in this machine's memory? An estimate of its own memory, checked at start.
 
-The manager's memory grows with its pool: every block of either tier, once
-cached, holds its bookkeeping (a block object, its place in a free queue,
-its hash and the hash map's entry). A compaction (the journal's snapshot)
+The manager's memory grows with its pool: every device block, once cached,
+holds its bookkeeping (a block object, its place in a free queue, its hash
+and the hash map's entry); a host block holds its share of the host tier's
+flat arrays from the start (core/host_tier.py). A compaction (the journal's snapshot)
 or a resync of every table (GetBlockTables) builds a copy of that state
 for a moment, and the step log, the event log and the key memory keep up
 to their retention in bytes. The estimate adds the four, each at its
 worst, to what the process holds before its first block:
 
-    base + (num_blocks + num_host_blocks) * (per block + transient per block) + retentions
+    base + num_blocks * per block + num_host_blocks * per host block
+         + (num_blocks + num_host_blocks) * transient per block + retentions
 
 The figures per block are measured (`bench/manager_memory_bench.py`: the
 resident memory of a process holding a pool whose every block is cached,
 in both tiers, and of a compaction's snapshot built from it, all of its
 parts alive at once: 282 to 323 bytes, and 223 to 283 bytes more, for
-8 * 10^4 to 2.5 * 10^5 blocks), rounded up. A start whose estimate exceeds the memory available
+8 * 10^4 to 2.5 * 10^5 blocks; a host block 61 to 96 bytes, and 176 to
+271 more, for 4 * 10^4 to 10^6 host blocks), rounded up. A start whose estimate exceeds the memory available
 to it (MemAvailable, or the cgroup's limit less its usage when lower) is
 refused with the figures; `--no-memory-check` skips the check.
 """
@@ -25,8 +28,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 BASE_BYTES = 64 << 20  # the server process before any block: Python, grpc, protobuf (measured ~50 MiB)
-BYTES_PER_BLOCK = 360  # a cached block of either tier
-TRANSIENT_BYTES_PER_BLOCK = 320  # the same block in a compaction's snapshot, or in a resync's tables
+BYTES_PER_BLOCK = 360  # a cached device block
+HOST_BYTES_PER_BLOCK = 128  # a host block, cached or not
+TRANSIENT_BYTES_PER_BLOCK = 320  # a block of either tier in a compaction's snapshot, or in a resync's tables
 
 
 class MemoryEstimate(NamedTuple):
@@ -42,8 +46,9 @@ class MemoryEstimate(NamedTuple):
 
 def estimate_memory(num_blocks: int, num_host_blocks: int, retention_bytes: int) -> MemoryEstimate:
     """The manager's memory at its worst for a pool of `num_blocks` device and `num_host_blocks` host blocks."""
-    num = num_blocks + num_host_blocks
-    return MemoryEstimate(BASE_BYTES, num * BYTES_PER_BLOCK, num * TRANSIENT_BYTES_PER_BLOCK, retention_bytes)
+    blocks = num_blocks * BYTES_PER_BLOCK + num_host_blocks * HOST_BYTES_PER_BLOCK
+    transient = (num_blocks + num_host_blocks) * TRANSIENT_BYTES_PER_BLOCK
+    return MemoryEstimate(BASE_BYTES, blocks, transient, retention_bytes)
 
 
 def available_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[int, str] | None:

@@ -322,7 +322,8 @@ def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
 
 
 class WorkerExpiry:
-    """Drops the workers whose lease ran out (`Replica.expire_workers`) once every `period_s`, until stopped."""
+    """Drops the workers whose lease ran out (`Replica.expire_workers`) and releases the retention pins
+    whose TTL ran out (`Replica.expire_pins`) once every `period_s`, until stopped."""
 
     def __init__(self, replica: Replica, period_s: float = 1.0) -> None:
         self._stopped = threading.Event()
@@ -335,6 +336,7 @@ class WorkerExpiry:
         while not self._stopped.wait(period_s):
             try:
                 replica.expire_workers()
+                replica.expire_pins()
             except NotPrimaryError:
                 pass  # a group's standby: its primary expires workers
             except Exception:
@@ -487,6 +489,7 @@ def _member(
     replica: Replica, address: str, options: ServerOptions, pool: futures.ThreadPoolExecutor, loop: EventLoopThread
 ) -> GroupMember:
     """This manager as a member of its high-availability group (not started: a standby until it leads)."""
+    _require_redis("--ha-url")
     from kv_manager_service.mirror.connect import RedisEndpoint, connect
     from kv_manager_service.server.ha import GroupMember
 
@@ -503,6 +506,14 @@ def _member(
     return member
 
 
+def _require_redis(flag: str) -> None:
+    """ValueError naming the extra when the optional redis package is missing (a manager-only install)."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{flag} needs the redis package: pip install 'kv-manager-service[redis]'") from None
+
+
 def _mirror(
     replica: Replica, address: str, config: KVCacheConfig, options: ServerOptions
 ) -> tuple[Callable[[bool], MirrorWriter], ClusterIndex, MirrorMetrics]:
@@ -513,10 +524,9 @@ def _mirror(
     holds the replica id's lease (unless it takes over a lower incarnation's:
     a group's new primary). Redis may be down then: the writer claims and
     retries in the background."""
-    try:
-        import redis
-    except ImportError as e:
-        raise ValueError("--redis-url needs the redis package: pip install 'kv-manager-service[redis]'") from e
+    _require_redis("--redis-url")
+    import redis
+
     from kv_manager_service.mirror.collector import CollectorOptions
     from kv_manager_service.mirror.connect import RedisEndpoint, connect, same_topology, topology
     from kv_manager_service.mirror.lookup import ClusterIndex
@@ -585,6 +595,8 @@ def pool_description(config: KVCacheConfig) -> str:
     values.pop("enable_events", None)
     if not values.get("num_host_blocks"):  # no host tier: the description journals written before the tier hold
         values.pop("num_host_blocks", None)
+    if values.get("retention_max_pinned_blocks") is None:  # the default: as journals written before retention
+        values.pop("retention_max_pinned_blocks", None)
     seed = values.pop("hash_seed", None)
     values["hash_seed_sha256"] = hashlib.sha256(seed.encode()).hexdigest() if seed else None
     return json.dumps(values, sort_keys=True, default=str)

@@ -28,6 +28,10 @@ before the lock is released:
   report of missing KV un-caches what it names (core/invalidation.py): both
   are journaled and replayed like Steps, so a restart loses nothing of what
   was lost and why;
+- retention pins expire by this process's clock (pin_clock.py): `expire_pins`
+  releases the pins that are due and journals their ids, so a replay or a
+  standby releases the same pins at the same point of the history; a pin a
+  replay or a snapshot brings back counts its TTL again from then;
 - a keyed Step is applied once: the key's lookup, the step and remembering
   its result happen under the lock together, so replaying the journal's
   Steps in order rebuilds the key memory;
@@ -63,11 +67,13 @@ from kv_manager_service.core import KVCacheManager
 from kv_manager_service.mirror.schema import CachedSet, Lease
 from kv_manager_service.server import journal_records
 from kv_manager_service.server.idempotency import StepKey, StepKeys
+from kv_manager_service.server.pin_clock import PinClock
 from kv_manager_service.server.journal import Journal
 from kvcache.journal.v1 import journal_pb2 as jpb
 from kv_manager_service.server.journal_records import (
     Entry,
     MissingKVReported,
+    PinsExpired,
     PrefixCacheReset,
     SnapshotTaken,
     StepApplied,
@@ -155,6 +161,7 @@ class Replica:
             limits.event_retention, limits.event_retention_bytes, logged_event_bytes
         )
         self.workers = WorkerRegistry(worker_timeout_s)
+        self.pin_clock = PinClock()
         self._on_journal_failure = on_journal_failure
         self._closed = False
         self._stats = (manager.stats(), 0, 0, manager.host_tier_stats())
@@ -241,6 +248,8 @@ class Replica:
                 result = manager.step(ops, decode=decode)
             else:
                 result = self.tenancy.step(manager, ops, decode)
+            if manager.pins.new:
+                self.pin_clock.start(manager.take_new_pins(), time.monotonic())
             self._journal(StepApplied(ops, decode, key))
             self.steps.append(result.delta)
             assert self.steps.last_id == result.step_id, (self.steps.last_id, result.step_id)
@@ -379,6 +388,23 @@ class Replica:
                 self._drop_worker(worker_id, f"expired (silent for {self.workers.timeout_s:g}s)")
         return expired
 
+    def expire_pins(self) -> list[int]:
+        """Release the retention pins whose TTL has passed by this process's clock, and journal their
+        ids (PinsExpired), so a replay or a standby releases exactly these; returns them."""
+        if not len(self.pin_clock):
+            return []
+        with self.mutating():
+            manager = self.manager
+            expired = self.pin_clock.due(time.monotonic(), manager.has_pin)
+            if expired:
+                num_freed = manager.expire_pins(expired)
+                self._journal(PinsExpired(tuple(expired)))
+                log.info(
+                    "%d retention pins expired, %d blocks back in the free queue (still cached)", len(expired),
+                    num_freed, extra={"pin_ids": expired[:MAX_LOGGED_IDS]},
+                )  # fmt: skip
+        return expired
+
     def worker_statuses(self) -> tuple[list[WorkerLease], int]:
         """The registered workers and the last step id the last mutation published.
 
@@ -515,6 +541,7 @@ class Replica:
         old_steps, old_events = self.steps, self.events
         self.manager = KVCacheManager(self.manager.config)
         self.workers = WorkerRegistry(self.workers.timeout_s)
+        self.pin_clock = PinClock()
         self.step_keys = StepKeys(self.limits.idempotency_retention, self.limits.idempotency_retention_bytes)
         self.steps = BroadcastLog(old_steps.capacity, old_steps.max_bytes, logged_delta_bytes)
         self.events = BroadcastLog(old_events.capacity, old_events.max_bytes, logged_event_bytes)
@@ -570,9 +597,13 @@ class Replica:
                 self._drop_worker(entry.worker_id, None)
         elif kind is PrefixCacheReset:
             assert self.reset_prefix_cache(), "a journaled reset must succeed again"
+        elif kind is PinsExpired:
+            with self.lock:
+                self.manager.expire_pins(entry.pin_ids)
         else:
             assert kind is SnapshotTaken, entry
             restore_snapshot(self, entry.snapshot)
+            self.pin_clock.start(self.manager.live_pins(), time.monotonic())
 
     def _publish_stats(self) -> None:
         """Publish the figures `stats` returns, in one assignment so a reader sees one mutation's set."""

@@ -13,10 +13,11 @@ after a replay.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from array import array
+from typing import TYPE_CHECKING, Iterable
 
 from kv_manager_service.core.hashing import HashExtras
-from kv_manager_service.core.state import CoreState, HostTierState, RequestExport, restore_state
+from kv_manager_service.core.state import CoreState, HostTierState, PinExport, RequestExport, restore_state
 from kv_manager_service import wire
 from kv_manager_service.server.tenancy import TenantUsage
 from kv_manager_service.shared.hash_types import BlockHash, LoraRef, MMFeature
@@ -97,12 +98,22 @@ def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
         num_evictions=state.num_evictions,
         host_tier=_host_tier_to_proto(state.host_tier) if state.host_tier is not None else None,
         kv_losses=[wire.kv_loss_count(count) for count in state.kv_losses],
+        priority_block_ids=[block_id for block_id, _ in state.block_priorities],
+        priorities=[priority for _, priority in state.block_priorities],
+        pins=[
+            jpb.PinSnapshot(pin_id=p.pin_id, request_id=p.request_id, ttl_ms=p.ttl_ms, block_ids=p.block_ids)
+            for p in state.pins
+        ],
+        num_pins_made=state.num_pins_made,
+        num_unpinned_blocks=state.num_unpinned_blocks,
     )
 
 
 def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
     if not len(message.cached_group_ids) == len(message.cached_block_hashes) == len(message.cached_block_ids):
         raise ValueError("the snapshot's cached blocks have lists of different lengths")
+    if len(message.priority_block_ids) != len(message.priorities):
+        raise ValueError("the snapshot's block priorities have lists of different lengths")
     return CoreState(
         message.last_step_id,
         tuple(message.free_block_ids),
@@ -114,16 +125,22 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         message.num_evictions,
         _host_tier_from_proto(message.host_tier) if message.HasField("host_tier") else None,
         tuple(wire.kv_loss_count_from(count) for count in message.kv_losses),
+        tuple(zip(message.priority_block_ids, message.priorities)),
+        tuple(PinExport(p.pin_id, p.request_id, p.ttl_ms, tuple(p.block_ids)) for p in message.pins),
+        message.num_pins_made,
+        message.num_unpinned_blocks,
     )
 
 
 def _host_tier_to_proto(state: HostTierState) -> jpb.HostTierSnapshot:
-    group_ids, block_hashes, block_ids = zip(*state.cached) if state.cached else ((), (), ())
+    hashes, num_cached = state.cached_block_hashes, len(state.cached_host_block_ids)
+    w = len(hashes) // num_cached if num_cached else 0
     return jpb.HostTierSnapshot(
         free_host_block_ids=state.free_host_block_ids,
-        cached_group_ids=group_ids,
-        cached_block_hashes=block_hashes,
-        cached_host_block_ids=block_ids,
+        cached_group_ids=state.cached_group_ids,
+        # Streamed from the packed hashes: no list of a million bytes objects on the way.
+        cached_block_hashes=(hashes[i : i + w] for i in range(0, len(hashes), w or 1)),
+        cached_host_block_ids=state.cached_host_block_ids,
         pending=[
             jpb.PendingTierCopySnapshot(
                 step_id=step_id,
@@ -145,10 +162,10 @@ def _host_tier_from_proto(message: jpb.HostTierSnapshot) -> HostTierState:
     if not len(message.cached_group_ids) == len(message.cached_block_hashes) == len(message.cached_host_block_ids):
         raise ValueError("the snapshot's cached host blocks have lists of different lengths")
     return HostTierState(
-        tuple(message.free_host_block_ids),
-        tuple(
-            zip(message.cached_group_ids, map(BlockHash, message.cached_block_hashes), message.cached_host_block_ids)
-        ),
+        array("q", message.free_host_block_ids),
+        array("q", message.cached_group_ids),
+        _packed_hashes(message.cached_block_hashes),
+        array("q", message.cached_host_block_ids),
         tuple(
             (p.step_id, p.is_onload, p.copy.device_block_id, p.copy.host_block_id, BlockHash(p.block_hash))
             for p in message.pending
@@ -159,6 +176,18 @@ def _host_tier_from_proto(message: jpb.HostTierSnapshot) -> HostTierState:
         message.num_dropped_offloads,
         message.num_hit_tokens,
     )
+
+
+def _packed_hashes(block_hashes: Iterable[bytes]) -> bytes:
+    """`block_hashes` end to end, one at a time (no list of them); ValueError unless all have one length."""
+    packed = bytearray()
+    lengths = set()
+    for block_hash in block_hashes:
+        lengths.add(len(block_hash))
+        packed += block_hash
+    if len(lengths) > 1:
+        raise ValueError("the snapshot's cached host block hashes have different lengths")
+    return bytes(packed)
 
 
 def _request_to_proto(r: RequestExport) -> jpb.RequestSnapshot:
@@ -179,6 +208,7 @@ def _request_to_proto(r: RequestExport) -> jpb.RequestSnapshot:
         tables=[jpb.BlockIds(block_ids=ids) for ids in r.block_ids],
         num_cached_blocks=r.num_cached_blocks,
         lost_cause=r.lost_cause or 0,
+        retention=wire.retention_message(r.retention),
     )
 
 
@@ -196,4 +226,5 @@ def _request_from_proto(m: jpb.RequestSnapshot) -> RequestExport:
         tuple(tuple(t.block_ids) for t in m.tables),
         tuple(m.num_cached_blocks),
         KVLossCause(m.lost_cause) if m.lost_cause else None,
+        wire.retention(m.retention) if m.HasField("retention") else None,
     )

@@ -53,6 +53,7 @@ from google.protobuf.message import Message
 
 from kv_manager_service.core import (
     AllocateOp,
+    FailedPreconditionError,
     AllocateResult,
     AllocateStatus,
     ForkOp,
@@ -138,6 +139,12 @@ class Tenancy:
             raise AssertionError(f"no tenant scope for {kind.__name__}")
 
     def _scope_allocate(self, tenant: str, request: pb.AllocateRequest) -> None:
+        if request.HasField("retention"):
+            # A priority or a pin would keep one tenant's blocks at the expense of the others', and a
+            # pin outlives its request, past the tenant's quota accounting.
+            raise FailedPreconditionError(
+                "retention is not available in multi-tenant mode (docs/retention.md)", "retention"
+            )
         request.request_id = scoped_id(tenant, request.request_id)
         # Every allocate carries the tenant's salt, first call or not, so a
         # message (and its idempotency fingerprint) does not depend on state;

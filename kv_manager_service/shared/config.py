@@ -60,6 +60,9 @@ class KVCacheConfig:
     `num_host_blocks` > 0 puts a host-memory tier of that many blocks behind
     the pool (see `host_tier`); 0, the default, means none. Only full-attention
     groups use the tier, so any other group kind is refused with it.
+    `retention_max_pinned_blocks` caps the distinct blocks that retention
+    pins hold at once (docs/retention.md); None, the default, is a tenth of
+    the pool (`max_pinned_blocks`), and 0 turns pins off.
     """
 
     num_blocks: int
@@ -71,6 +74,7 @@ class KVCacheConfig:
     max_model_len: int = 1 << 20
     max_num_requests: int = 1 << 16
     num_host_blocks: int = 0
+    retention_max_pinned_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
@@ -101,6 +105,20 @@ class KVCacheConfig:
                 raise ValueError(
                     f"num_host_blocks {self.num_host_blocks} needs enable_prefix_caching (the tier caches prefixes)"
                 )
+
+        limit = self.retention_max_pinned_blocks
+        if limit is not None and (type(limit) is not int or not 0 <= limit <= self.num_blocks - 1):
+            raise ValueError(
+                f"retention_max_pinned_blocks must be an integer in 0..{self.num_blocks - 1} (the pool's blocks), "
+                f"got {limit!r}"
+            )
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The pin quota: `retention_max_pinned_blocks`, by default a tenth of the pool's blocks."""
+        if self.retention_max_pinned_blocks is None:
+            return (self.num_blocks - 1) // 10
+        return self.retention_max_pinned_blocks
 
     @property
     def hash_block_size(self) -> int:

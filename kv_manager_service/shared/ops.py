@@ -73,13 +73,31 @@ class TierCopy(NamedTuple):
     host_block_id: int
 
 
+MAX_RETENTION_PRIORITY = 100
+
+
+class Retention(NamedTuple):
+    """How a request's cached blocks are kept (docs/retention.md); the default keeps them as vLLM does.
+
+    `priority`: 0 (the default) to MAX_RETENTION_PRIORITY. A free cached block
+    is evicted only after every evictable block of a lower priority; a block
+    takes the highest priority of the requests that cached or hit it, until
+    it leaves the cache. `ttl_ms`: 0, or when the request is freed its cached
+    blocks are pinned (kept cached, out of the free queue) until the manager
+    expires the pin, this long after, within the pool's pin quota.
+    """
+
+    priority: int = 0
+    ttl_ms: int = 0
+
+
 class AllocateOp(NamedTuple):
     """Schedule tokens of a request.
 
     On the first call for `request_id`, `token_ids` is the prompt; on later
     calls it holds only the tokens appended since (usually one sampled token).
-    `cache_salt`, `lora`, `mm_features` and `num_encoder_tokens` belong to the
-    first call; later calls may repeat them but not change them.
+    `cache_salt`, `lora`, `mm_features`, `num_encoder_tokens` and `retention`
+    belong to the first call; later calls may repeat them but not change them.
     """
 
     request_id: str
@@ -91,6 +109,7 @@ class AllocateOp(NamedTuple):
     lora: LoraRef | None = None
     mm_features: tuple[MMFeature, ...] = ()
     skip_prefix_cache: bool = False
+    retention: Retention | None = None
 
 
 class FreeOp(NamedTuple):
@@ -298,3 +317,8 @@ class Stats(NamedTuple):
     num_evictions: int
     num_pending_copies: int
     kv_losses: tuple[KVLossCount, ...] = ()  # by cause, the causes that invalidated anything
+    # Retention (docs/retention.md): live pins, the distinct blocks they hold, and the blocks that
+    # pins asked for since the start but the quota had no room for.
+    num_pins: int = 0
+    num_pinned_blocks: int = 0
+    num_unpinned_blocks: int = 0

@@ -42,7 +42,11 @@ def chain(manager: KVCacheManager, token_ids: list[int]) -> list:
 
 
 def host_hashes(manager: KVCacheManager) -> set:
-    return set(manager.host_tier.cached[0])
+    return {block_hash for _, block_hash in manager.host_tier.cached_block_keys()}
+
+
+def host_block_id(manager: KVCacheManager, block_hash: bytes) -> int:
+    return manager.host_tier.find(0, block_hash).block_id
 
 
 def run_and_ack(manager: KVCacheManager, *ops) -> object:
@@ -111,7 +115,7 @@ def test_an_evicted_cached_block_is_offloaded_and_indexed_on_the_host() -> None:
     hashes = chain(manager, PROMPT)
     # Freed last-to-first: the last two blocks were evicted, last first.
     assert manager.pending_tier_copies() == []  # acknowledged with the filler's step
-    offloaded = {manager.host_tier.cached[0][h] for h in hashes[2:]}
+    offloaded = [manager.host_tier.find(0, h) for h in hashes[2:]]
     assert all(type(b) is HostBlock for b in offloaded)
     assert host_hashes(manager) == set(hashes[2:])
     assert manager.host_tier_stats().num_offloaded_blocks == 2
@@ -127,19 +131,16 @@ def test_the_offload_copy_is_in_the_ops_result_and_the_step_delta_and_pins_until
     evicting = manager.step((AllocateOp("b", unrelated(4), 4),))  # two blocks: PROMPT's last two
     manager.check_invariants()
     hashes = chain(manager, PROMPT)
-    host = manager.host_tier.cached[0]
-    expected = (
-        TierCopy(prompt_ids[3], host[hashes[3]].block_id),
-        TierCopy(prompt_ids[2], host[hashes[2]].block_id),
-    )
+    pinned = [host_block_id(manager, hashes[3]), host_block_id(manager, hashes[2])]
+    expected = (TierCopy(prompt_ids[3], pinned[0]), TierCopy(prompt_ids[2], pinned[1]))
     assert evicting.results[0].offloads == expected == evicting.delta.offloads
-    pinned = [host[hashes[3]], host[hashes[2]]]
-    assert [b.ref_cnt for b in pinned] == [1, 1]
+    ref_cnts = manager.host_tier.ref_cnts
+    assert [ref_cnts[b] for b in pinned] == [1, 1]
     assert not any(b in pinned for b in manager.host_tier.free_queue)
     assert [p.step_id for p in manager.pending_tier_copies()] == [evicting.step_id] * 2
     manager.ack(evicting.step_id)
     manager.check_invariants()
-    assert [b.ref_cnt for b in pinned] == [0, 0] and manager.pending_tier_copies() == []
+    assert [ref_cnts[b] for b in pinned] == [0, 0] and manager.pending_tier_copies() == []
     assert list(manager.host_tier.free_queue)[-2:] == pinned  # free again, most recently used, still indexed
     assert host_hashes(manager) == set(hashes[2:])
 
@@ -187,8 +188,8 @@ def test_a_hit_continues_from_the_device_into_the_host_and_is_onloaded() -> None
     prompt_ids = cache_prompt_then_evict_tail(manager, num_evicted=2)
     run_and_ack(manager, FreeOp(["filler"]))
     hashes = chain(manager, PROMPT)
-    host = manager.host_tier.cached[0]
-    host_ids = [host[hashes[2]].block_id, host[hashes[3]].block_id]
+    host_ids = [host_block_id(manager, hashes[2]), host_block_id(manager, hashes[3])]
+    ref_cnts = manager.host_tier.ref_cnts
 
     hit = manager.find_cache_hit(PROMPT + [9])
     assert hit.num_cached_tokens == 8 and hit.num_host_cached_tokens == 4
@@ -208,10 +209,10 @@ def test_a_hit_continues_from_the_device_into_the_host_and_is_onloaded() -> None
     assert [manager.pool.get_cached_block(0, h).block_id for h in hashes] == list(hit_ids)
     assert host_hashes(manager) >= set(hashes[2:])
     # The host blocks it reads stay pinned until the step is acknowledged.
-    assert [host[h].ref_cnt for h in hashes[2:]] == [1, 1]
+    assert [ref_cnts[b] for b in host_ids] == [1, 1]
     manager.ack(result.step_id)
     manager.check_invariants()
-    assert [host[h].ref_cnt for h in hashes[2:]] == [0, 0]
+    assert [ref_cnts[b] for b in host_ids] == [0, 0]
     assert manager.host_tier_stats().prefix_cache_host_hits == 4
     assert manager.stats().prefix_cache_hits == 8
 
@@ -245,12 +246,12 @@ def test_an_onloaded_block_evicted_again_needs_no_new_copy() -> None:
 def test_an_admission_without_room_for_the_onloads_is_no_space_and_changes_nothing() -> None:
     manager = make_manager(num_blocks=9, num_host_blocks=8)
     cache_prompt_then_evict_tail(manager, num_evicted=2)  # the filler holds every other block
-    pins = [b.ref_cnt for b in manager.host_tier.blocks]
+    pins = manager.host_tier.ref_cnts.tolist()
     result = manager.step((AllocateOp("c", PROMPT + [9], 9),))
     manager.check_invariants()
     assert result.results[0].status is AllocateStatus.NO_SPACE
     assert result.delta.onloads == () and result.delta.offloads == ()
-    assert [b.ref_cnt for b in manager.host_tier.blocks] == pins
+    assert manager.host_tier.ref_cnts.tolist() == pins
 
 
 # -- reset -----------------------------------------------------------------------------------
@@ -265,9 +266,9 @@ def test_reset_clears_both_tiers_and_pinned_host_blocks_wait_for_their_ack() -> 
     assert manager.reset_prefix_cache() is True
     manager.check_invariants()
     assert host_hashes(manager) == set()
-    assert all(b.block_hash is None for b in manager.host_tier.blocks)
-    pinned = [manager.host_tier.blocks[c.host_block_id] for c in evicting.delta.offloads]
-    assert [b.ref_cnt for b in pinned] == [1, 1]
+    assert all(manager.host_tier.block_hash(b) is None for b in range(manager.host_tier.num_blocks))
+    pinned = [c.host_block_id for c in evicting.delta.offloads]
+    assert [manager.host_tier.ref_cnts[b] for b in pinned] == [1, 1]
     assert manager.find_cache_hit(PROMPT + [9]).num_cached_tokens == 0
     manager.ack(manager.last_step_id)
     manager.check_invariants()

@@ -900,7 +900,7 @@ class HostTierMachine(ManagerMachine):
         """Brute force across tiers: the longest run of blocks each cached on the device or the host."""
         m = self.m
         cached = cache_map_entries(m)
-        host = {(g, h) for g, index in enumerate(m.host_tier.cached) for h in index}
+        host = set(m.host_tier.cached_block_keys())
         extras = HashExtras(op.lora, op.cache_salt or None, tuple(op.mm_features))
         chain = self.hasher.hash_blocks(self.hasher.root_hash, op.token_ids, 0, extras)
         block_size = m.config.groups[0].block_size
@@ -938,18 +938,18 @@ class HostTierMachine(ManagerMachine):
         assert m.pending_copies() == [p for p in pending if p.step_id > step_id]
         assert m.pending_tier_copies() == [p for p in tier_pending if p.step_id > step_id]
         pins = Counter(p.copy.host_block_id for p in m.pending_tier_copies())
-        assert [b.ref_cnt for b in m.host_tier.blocks] == [pins[b.block_id] for b in m.host_tier.blocks]
+        assert m.host_tier.ref_cnts.tolist() == [pins[b] for b in range(m.host_tier.num_blocks)]
         if any(p.step_id <= step_id for p in tier_pending):
             event("ack released tier copies")
 
     def reset_prefix_cache(self) -> None:
         m = self.m
-        pinned_before = [b.ref_cnt for b in m.host_tier.blocks]
+        pinned_before = m.host_tier.ref_cnts.tolist()
         super().reset_prefix_cache()
         if m.stats().num_free_blocks == m.config.num_blocks - 1:
-            assert not any(m.host_tier.cached), "an accepted reset leaves host hashes"
-            assert all(b.block_hash is None for b in m.host_tier.blocks)
-            assert [b.ref_cnt for b in m.host_tier.blocks] == pinned_before, "a reset unpins host blocks"
+            assert m.host_tier.num_cached_blocks == 0, "an accepted reset leaves host hashes"
+            assert all(m.host_tier.block_hash(b) is None for b in range(m.host_tier.num_blocks))
+            assert m.host_tier.ref_cnts.tolist() == pinned_before, "a reset unpins host blocks"
 
     def free_everything_and_ack(self) -> None:
         super().free_everything_and_ack()

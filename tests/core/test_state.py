@@ -142,7 +142,7 @@ def observable(manager: KVCacheManager) -> dict[str, Any]:
         "pending_copies": manager.pending_copies(),
         "pending_tier_copies": manager.pending_tier_copies(),
         "host_tier_stats": manager.host_tier_stats(),
-        "host_ref_cnts": [b.ref_cnt for b in manager.host_tier.blocks] if manager.host_tier is not None else None,
+        "host_ref_cnts": manager.host_tier.ref_cnts.tolist() if manager.host_tier is not None else None,
     }
 
 
@@ -204,7 +204,7 @@ def test_a_host_tier_state_whose_parts_disagree_is_refused() -> None:
     manager.take_events()
     state = manager.export_state()
     tier = state.host_tier
-    assert tier is not None and tier.pending and tier.cached
+    assert tier is not None and tier.pending and tier.cached_host_block_ids
     pinned = tier.pending[0][3]
     with pytest.raises(ValueError, match="inconsistent"):  # a pinned host block also free
         KVCacheManager.from_state(

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 
 from kv_manager_service.server.memory_budget import (
-    BYTES_PER_BLOCK,
-    TRANSIENT_BYTES_PER_BLOCK,
     available_memory,
     check_fits,
     estimate_memory,
@@ -29,10 +27,11 @@ def test_the_figures_per_block_hold_for_a_full_pool():
     )  # fmt: skip
     figures = json.loads(done.stdout)
     num = figures["num_blocks"] + figures["num_host_blocks"]
+    estimate = estimate_memory(figures["num_blocks"], figures["num_host_blocks"], 0)
     # Free, and every one cached (the null block is never free).
     assert figures["cached_device_blocks"] == 40_000 - 1 and figures["free_host_blocks"] == 40_000
-    assert figures["full"] <= num * BYTES_PER_BLOCK, f"{figures['full'] / num:.0f} bytes per block"
-    assert figures["transient"] <= num * TRANSIENT_BYTES_PER_BLOCK, f"{figures['transient'] / num:.0f} bytes per block"
+    assert figures["full"] <= estimate.blocks, f"{figures['full'] / num:.0f} bytes per block"
+    assert figures["transient"] <= estimate.transient, f"{figures['transient'] / num:.0f} bytes per block"
 
 
 def test_a_pool_that_cannot_fit_is_refused_with_the_figures():
