@@ -74,7 +74,7 @@ from kv_tooling.workload import TokenExpander, load_trace
 from bench_stats import busy_machine_warning, fmt, replay_progress_printer  # bench/ is the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = ROOT / "kv_tooling" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16
 VOCAB_SIZE = 150_000
 

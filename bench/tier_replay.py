@@ -36,7 +36,7 @@ from kv_manager_service.shared.events import Tier
 from kv_tooling.workload import TokenExpander, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = ROOT / "kv_tooling" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16
 TARGET_RATIO = 0.95
 

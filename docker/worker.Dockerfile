@@ -33,8 +33,7 @@ RUN if [ "$TORCH_VARIANT" = cpu ]; then cp constraints/cpu.txt /opt/venv/constra
     && pip install --no-cache-dir -c /opt/venv/constraints.txt \
         --index-url "https://download.pytorch.org/whl/$TORCH_VARIANT" torch
 
-# Installed in place (editable), as in a checkout: the demo reads the trace
-# from data/ beside the packages.
+# Installed in place (editable), as in a checkout.
 COPY . .
 RUN pip install --no-cache-dir -c /opt/venv/constraints.txt -e ".[worker,demo]"
 

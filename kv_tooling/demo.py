@@ -39,6 +39,9 @@ from kv_tooling.progress import ProgressBar
 from reference_scheduler.scheduler import ReferenceScheduler, SchedulerConfig
 from reference_scheduler.worker_client import WorkerClient
 
+# How long a replica's manager, then its worker, may take to answer (a local one is ready before it is asked).
+REPLICA_READY_TIMEOUT_S = 10.0
+
 @dataclasses.dataclass
 class ReplicaStack:
     """One manager and the worker that follows it, with the scheduler that drives them."""
@@ -68,6 +71,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("matplotlib") is None:  # said now, not after the run, at the figure
+        raise ValueError("the demo's figure needs matplotlib: install the demo extra (pip install '.[demo]')")
     trace = args.trace or DEFAULT_TRACE
     start = trace_start(args)
     if not trace.exists():
@@ -138,11 +143,14 @@ def _start_local(args: argparse.Namespace, processes: list[LaunchedProcess]) -> 
 def _connect(manager_address: str, worker_address: str, args: argparse.Namespace) -> ReplicaStack:
     manager = KVManagerClient(manager_address)
     worker = WorkerClient(worker_address)
-    try:
-        manager.wait_ready(30)
-        worker.wait_ready(300)
-    except Exception:
-        raise ValueError(f"replica {manager_address}={worker_address} did not answer") from None
+    for side, client, address in (("kv-manager", manager, manager_address), ("gpu-worker", worker, worker_address)):
+        try:
+            client.wait_ready(REPLICA_READY_TIMEOUT_S)
+        except Exception:
+            raise ValueError(
+                f"replica {manager_address}={worker_address}: the {side} at {address} did not answer within "
+                f"{REPLICA_READY_TIMEOUT_S:g} s; is it running, and is that its address?"
+            ) from None
     config = manager.get_config()
     stats = manager.stub.GetStats(pb.GetStatsRequest(), timeout=10)
     scheduler = ReferenceScheduler(manager, worker, SchedulerConfig(args.token_budget, args.max_running))

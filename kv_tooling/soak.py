@@ -49,7 +49,7 @@ from kvcache.v1 import kv_manager_pb2 as pb
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
 from reference_scheduler.scheduler import ReferenceScheduler, Sampling, SchedulerConfig
 
-TRACE_PATH = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
+TRACE_PATH = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 VOCAB_SIZE = 32000  # TokenExpander's default: sampled tokens come from the same range
 _VOCABULARY = range(VOCAB_SIZE)
 OK = AllocateStatus.OK

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_BLOCK_SIZE = 512  # tokens per hash id in the Mooncake traces
-# The project's trace, in the repository's data/ folder.
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
+# The project's trace, shipped inside this package (package data), so every install has it.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 DEFAULT_VOCAB_SIZE = 32000
 
 

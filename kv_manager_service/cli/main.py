@@ -27,7 +27,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     server = serve.add_argument_group("server")
     limits = serve.add_argument_group("limits and memory")
-    mirror = serve.add_argument_group("the Redis mirror (see the README's Redis mirror section)")
+    mirror = serve.add_argument_group("the Redis mirror (see docs/redis.md)")
     journal = serve.add_argument_group("the journal (restart without loss)")
     observe = serve.add_argument_group("metrics, logs and checks")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
@@ -131,7 +131,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="the replica's lease in Redis expires after this long without a heartbeat; a second manager with "
         "the same --replica-id waits this long for it to lapse, then refuses to start (default %(default)s)",
     )
-    ha = serve.add_argument_group("high availability (see the README's High availability section)")
+    ha = serve.add_argument_group("high availability (see docs/high-availability.md)")
     ha.add_argument(
         "--ha-url", metavar="URL",
         help="join the high-availability group of --replica-id whose leadership lease is in this Redis "

@@ -38,7 +38,7 @@ MAX_BLOCK_IDS_PER_LIST = 1 << 22  # block ids in one report: more than any pool 
 
 
 class Configured(NamedTuple):
-    """A bound that is a per-server setting, checked by the handler (named as in the README's limits table)."""
+    """A bound that is a per-server setting, checked by the handler (named as in docs/limits.md)."""
 
     setting: str
 

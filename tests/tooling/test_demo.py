@@ -15,7 +15,7 @@ from pathlib import Path
 import matplotlib.pyplot
 import pytest
 from e2e_support import start_stack, stop_stack
-from processes import ROOT
+from processes import ROOT, free_port, launch
 
 from kv_manager_service.cli.main import make_parser
 from kv_tooling.replay import ReplayConfig, replay
@@ -26,6 +26,7 @@ from kvcache.v1 import kv_manager_pb2 as pb
 from kvcache.v1 import worker_pb2
 from kv_tooling.workload import DEFAULT_TRACE
 from kv_tooling.demo import _banner, tier_block_bytes, trace_start
+from kv_manager_service.shared.ready_line import MANAGER_READY_PREFIX
 from kv_tooling.demo_report import REPORT_UNITS, TIER_UNITS, Report, Sample, TierReport, build_figure
 
 REPORT_FIELDS = {
@@ -174,6 +175,31 @@ def test_bad_flags_are_refused_naming_them(tmp_path):
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+def test_a_replica_that_does_not_answer_is_named_by_its_side(tmp_path):
+    """`--replica M=W` with one side not listening says which side, and at which address."""
+    manager = launch(
+        [sys.executable, "-m", "kv_manager_service.cli", "serve", "--port", "0", "--num-blocks", "64"],
+        MANAGER_READY_PREFIX, tmp_path / "manager.log",
+    )  # fmt: skip
+    dead = f"127.0.0.1:{free_port()}"
+    try:
+        cases = {"gpu-worker": f"{manager.address}={dead}", "kv-manager": f"{dead}=127.0.0.1:{free_port()}"}
+        runs = {
+            side: subprocess.Popen(
+                [sys.executable, "-m", "kv_manager_service.cli", "demo", "--output-dir", str(tmp_path / side),
+                 "--requests", "1", "--replica", pair],
+                cwd=ROOT, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            for side, pair in cases.items()
+        }
+        for side, run in runs.items():
+            _, stderr = run.communicate(timeout=120)
+            assert run.returncode == 2, stderr
+            assert f"the {side} at {dead} did not answer within" in stderr, stderr
+    finally:
+        manager.stop()
 
 
 def test_the_banner_counts_replicas_in_the_singular_and_plural():
