@@ -10,6 +10,8 @@ prefix-cache hit rate.
 
     python bench/e2e_bench.py                        # torch backend, model "small"
     python bench/e2e_bench.py --backend triton --model tiny --requests 8
+    python bench/e2e_bench.py --device cuda --backend triton --model llama-3.2-1b --dtype bfloat16 \
+        --warmup-requests 32 --worker-arg=--cuda-graphs
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scale", type=float, default=1 / 32, help="trace length scale (default 1/32: 16 tokens per trace block)")
     parser.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default %(default)s)")
     parser.add_argument("--num-blocks", type=int, default=4096, help="manager pool size (default %(default)s)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the worker's (default %(default)s)")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="the worker's (default: its own)")
+    parser.add_argument(
+        "--warmup-requests", type=int, default=0,
+        help="trace requests run first, untimed, in one wave (other prompts: no cache hits) (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--worker-arg", action="append", default=[], help="one more gpu-worker flag (repeatable)")
     return parser
 
 
@@ -51,8 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     vocab_size = BUILTIN_MODELS[args.model].vocab_size
     expander = TokenExpander(vocab_size=vocab_size, scale=args.scale)
-    records = load_trace(DEFAULT_TRACE, limit=args.requests)
+    records = load_trace(DEFAULT_TRACE, limit=args.requests + args.warmup_requests)
     workload = [(expander.prompt_token_ids(r), args.output_len) for r in records]
+    workload, warmup = workload[: args.requests], workload[args.requests :]
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         directory = Path(tmp)
@@ -62,12 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
         processes = [manager]
         try:
+            dtype = ["--dtype", args.dtype] if args.dtype else []
             worker = launch(
-                [python, "-m", "gpu_worker.cli", "--manager", manager.address, "--backend", args.backend, "--model", args.model],
+                [python, "-m", "gpu_worker.cli", "--manager", manager.address, "--backend", args.backend, "--model", args.model,
+                 "--device", args.device, *dtype, *args.worker_arg],
                 WORKER_READY_PREFIX, directory / "worker.log", timeout_s=300,
             )  # fmt: skip
             processes.append(worker)
             with KVManagerClient(manager.address) as manager_client, WorkerClient(worker.address) as worker_client:
+                if warmup:
+                    run(manager_client, worker_client, warmup, len(warmup))
                 report(run(manager_client, worker_client, workload, args.batch), manager_client, args)
         finally:
             for process in reversed(processes):

@@ -11,7 +11,8 @@ and keeps their median, and the table gives the median over `--rounds`
 rounds with the lowest and highest round.
 
 Without CUDA the caches live in host memory too, so both directions are a
-gather, a stack and a scatter in RAM: the figure is the worker's CPU copy
+gather and a scatter in RAM, through the buffer's fixed-size staging slots
+(`gpu_worker.host_tier`): the figure is the worker's CPU copy
 throughput, not a link's. Beside it, "contiguous copy" is one `copy_` of
 the same number of bytes between two contiguous tensors (memory bandwidth
 on CPU; on CUDA, the pinned host-to-device and device-to-host transfer rate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -36,8 +37,9 @@ def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default %(default)s)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="(default %(default)s)")
     parser.add_argument(
-        "--backend", choices=["torch", "triton"], default="torch",
-        help="kernels: torch references, or Triton (on a CPU, in the interpreter: slow) (default %(default)s)",
+        "--backend", choices=["torch", "triton"],
+        help="kernels: torch references, or Triton (on a CPU, in the interpreter: slow) "
+        "(default: triton on cuda, torch on cpu)",
     )  # fmt: skip
     parser.add_argument(
         "--model", default="small",
@@ -49,6 +51,11 @@ def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
         help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of a built-in model's random weights (default %(default)s)")
+    parser.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="replay decode steps from CUDA graphs captured at startup, one per batch size of 1, 2, 4, ... up to the "
+        "pool's request cap or 256 (needs --device cuda --backend triton)",
+    )  # fmt: skip
     parser.add_argument("--worker-id", help="this worker's name at the manager (default: HOST-PID)")
     parser.add_argument(
         "--step-timeout-s", type=float, default=30.0,
@@ -69,7 +76,7 @@ def build_parser(require_manager: bool = True) -> argparse.ArgumentParser:
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("security (see the README's Security section)")
+    group = parser.add_argument_group("security (see docs/security.md)")
     group.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve over TLS with this certificate chain (PEM)")
     group.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert (PEM)")
     group.add_argument(
@@ -108,12 +115,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a first pass without --manager required lets a mistyped flag be the error the user sees.
     """
     build_parser(require_manager=False).parse_args(argv)
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.backend is None:
+        args.backend = default_backend(args.device)
+    return args
+
+
+def default_backend(device: str) -> str:
+    """Triton on CUDA; torch on a CPU, where Triton kernels run in its interpreter (correct, and slow)."""
+    return "triton" if device == "cuda" else "torch"
+
+
+def backend_caveat(device: str, backend: str) -> str | None:
+    """What to warn about a backend chosen for a device, if anything."""
+    if device == "cuda" and backend == "torch":
+        return (
+            "--backend torch on CUDA: the torch reference kernels wait for the device several times per layer; "
+            "they are there to check results against, serve with --backend triton"
+        )
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
+    caveat = backend_caveat(args.device, args.backend)
+    if caveat is not None:
+        logging.getLogger("gpu_worker.cli").warning(caveat)
     missing = [name for name in WORKER_EXTRA_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         print(
@@ -129,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = WorkerOptions(
             manager=args.manager, host=args.host, port=args.port, device=args.device, backend=args.backend,
             model=args.model, dtype=args.dtype, seed=args.seed, step_timeout_s=args.step_timeout_s,
-            manager_timeout_s=args.manager_timeout_s,
+            manager_timeout_s=args.manager_timeout_s, cuda_graphs=args.cuda_graphs,
             metrics_port=args.metrics_port, **_security_options(args), **extra,
         )  # fmt: skip
         return serve(options)

@@ -19,25 +19,54 @@ other kind of group behind the tier). The buffer is one tensor,
 so one host block, over every layer, is one contiguous region, and so is a
 run of consecutive host blocks: on CUDA each run crosses as one transfer.
 
-On a CPU both sides are RAM and each copy returns once it is done: per
-layer, one gather of the step's blocks and one scatter into the other side,
-through a temporary of one layer's blocks (small enough to stay in the
-CPU's caches for typical steps).
+A batch of copies moves a chunk of at most `chunk_blocks` blocks at a time
+(`copy_plan`), so what it holds besides the two sides is bounded whatever
+the batch's size.
 
-On CUDA the buffer is pinned, every transfer is DMA, and offloads overlap
-the forward pass:
+On a CPU both sides are RAM and there are no streams: per chunk and tier
+layer, one gather of the chunk's blocks from one side and one scatter into
+the other, through a temporary of that layer's blocks of the chunk (small
+enough to stay in the CPU's caches); each call returns once its bytes have
+moved.
 
-- An offload first snapshots the evicted blocks into a device tensor, on the
-  compute stream. Everything the step queues after it (onloads and
-  copy-on-write copies into the same device blocks, the forward pass's
-  stores) runs after the snapshot, so the device blocks are free to reuse
-  at once. The device-to-host transfers of the snapshot then run on a side
-  stream, concurrently with the forward pass, and an event marks their end.
-- An onload that reads a host block an offload may still be writing makes
-  the compute stream wait for that event (a wait on the device, not on the
-  host); its host-to-device transfers then run on the compute stream, ahead
-  of the forward pass that reads their destinations.
-- The side stream waits for the compute stream before each batch of
+On CUDA every copy passes through a fixed-size device buffer (two slots of
+`chunk_blocks` blocks, every tier layer; allocated with the host buffer, so
+a step never allocates device memory for its copies):
+
+    offload   gather the chunk's device blocks into a slot (one index_select per layer),
+              then slot -> host, one transfer per run of consecutive host blocks
+    onload    host -> slot, one transfer per run, then scatter the slot into the
+              device blocks (one index_copy_ per layer)
+
+The caller sorts a batch's copies by host block, so the runs are as long as
+the ids allow, and all the transfers of a chunk go in one call (`copy_runs`:
+one loop in C++ instead of one Python call per run). A run is the only unit
+one DMA can move: a scattered host block is one transfer, since gathering
+scattered blocks on the host first would cost host memory bandwidth of the
+order of the link's, on the one thread that queues the step.
+
+On CUDA the host buffer is pinned, every transfer is DMA, and offloads
+overlap the forward pass:
+
+- An offload gathers the evicted blocks into a slot on the compute stream.
+  Everything the step queues after it (onloads and copy-on-write copies
+  into the same device blocks, the forward pass's stores) runs after the
+  gather, so the device blocks are free to reuse at once. The slot's
+  device-to-host transfers then run on a side stream, concurrently with the
+  forward pass, and an event marks the end of each slot's and each batch's.
+- The compute stream waits for a slot's last transfers before it writes the
+  slot again (a wait on the device, not on the host): chunks alternate
+  between the two slots, so the gather of one overlaps the transfers of the
+  other. A batch larger than two chunks therefore holds the compute stream
+  back by the transfers of all but its last two chunks; it still completes
+  within the step that evicts.
+- Batches of offloads whose transfers may still run are kept in a queue of
+  (event, host blocks written), retired once their event has completed. An
+  onload makes the compute stream wait for the last queued batch that writes
+  a host block it reads, and for nothing else; its host-to-device transfers
+  then run on the compute stream, ahead of the forward pass that reads
+  their destinations.
+- The side stream waits for the compute stream before each chunk of
   offloads, so an offload never overwrites a host block that an earlier,
   queued onload has yet to read.
 
@@ -45,13 +74,23 @@ So the worker may acknowledge a step as soon as its copies are queued: the
 manager may then reuse the device and host blocks they name, and every later
 copy that touches them is ordered after them on the device. Nothing reads
 the host buffer on the host, except `synchronize()`'s callers.
+
+The host buffer is allocated as ordinary memory and then page-locked at its
+exact size (`pin_host_memory`): torch's pinned allocations round up to a
+power of two, which for a large tier would lock up to twice the memory the
+host-memory check counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
+
+DEVICE_BUFFER_BYTES = 256 << 20  # both slots of the device buffer together, at most
 
 
 def check_tier_copies(
@@ -96,6 +135,85 @@ def consecutive_runs(host_block_ids: Sequence[int]) -> list[tuple[int, int, int]
     return runs
 
 
+class CopyChunk(NamedTuple):
+    """Rows start..stop-1 of a batch of copies, which pass through one slot of the device buffer together."""
+
+    start: int
+    stop: int
+    runs: list[tuple[int, int, int]]  # (row within the chunk, first host block, count): one transfer each
+
+
+def copy_plan(host_block_ids: Sequence[int], chunk_blocks: int) -> list[CopyChunk]:
+    """The chunks of at most `chunk_blocks` rows a batch of copies moves in, in row order, each with its runs."""
+    chunks = []
+    for start in range(0, len(host_block_ids), chunk_blocks):
+        stop = min(start + chunk_blocks, len(host_block_ids))
+        chunks.append(CopyChunk(start, stop, consecutive_runs(host_block_ids[start:stop])))
+    return chunks
+
+
+class Event(Protocol):
+    """What `OffloadQueue` needs of a `torch.cuda.Event`."""
+
+    def query(self) -> bool: ...
+
+
+class OffloadQueue:
+    """Batches of offloads whose device-to-host transfers may still run: (event at their end, host blocks written).
+
+    The events complete in the order pushed (they are recorded on one stream),
+    so finished batches are retired from the front.
+    """
+
+    def __init__(self) -> None:
+        self._batches: deque[tuple[Event, frozenset[int]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def push(self, event: Event, host_block_ids: Sequence[int]) -> None:
+        self.retire()
+        self._batches.append((event, frozenset(host_block_ids)))
+
+    def retire(self) -> None:
+        """Drop the batches whose transfers are done."""
+        while self._batches and self._batches[0][0].query():
+            self._batches.popleft()
+
+    def last_writer(self, host_block_ids: Sequence[int]) -> Event | None:
+        """The event of the last batch still running that writes one of `host_block_ids`; None when none does.
+
+        Waiting for it waits for every earlier batch too, so a reader of those
+        blocks waits for that event alone.
+        """
+        self.retire()
+        for event, written in reversed(self._batches):
+            if not written.isdisjoint(host_block_ids):
+                return event
+        return None
+
+
+def pin_host_memory(tensor: torch.Tensor) -> Callable[[], None]:
+    """Page-lock the host memory of contiguous `tensor`, exactly its bytes; returns the call that unlocks it.
+
+    Unlike `pin_memory=True`, which rounds an allocation up to a power of two,
+    this locks only the tensor's own pages. The returned call holds `tensor`,
+    so the memory stays allocated until it is unlocked. Raises RuntimeError
+    when CUDA refuses (too little lockable memory, most likely).
+    """
+    assert tensor.device.type == "cpu" and tensor.is_contiguous()
+    cudart = torch.cuda.cudart()
+    address, num_bytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    error = cudart.cudaHostRegister(address, num_bytes, 0)
+    if error != cudart.cudaError.success:
+        raise RuntimeError(f"could not page-lock {num_bytes} bytes of host memory: {cudart.cudaGetErrorString(error)}")
+
+    def unpin() -> None:
+        cudart.cudaHostUnregister(tensor.data_ptr())
+
+    return unpin
+
+
 class HostKVBuffer:
     """The host tier's blocks for the tier layers; copies to and from the device caches of those layers."""
 
@@ -106,16 +224,33 @@ class HostKVBuffer:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
+        device_buffer_bytes: int = DEVICE_BUFFER_BYTES,
     ) -> None:
-        """block_shape: one layer's block, `(2, block_size, num_kv_heads, head_dim)`; device: the caches' device."""
+        """block_shape: one layer's block, `(2, block_size, num_kv_heads, head_dim)`; device: the caches' device.
+
+        device_buffer_bytes: the most the device buffer may take (two slots,
+        each of at least one block and at most `num_host_blocks`); on a CPU,
+        which has none, it sizes the chunks all the same.
+        """
         self.device = device
         on_cuda = device.type == "cuda"
-        self.blocks = torch.zeros((num_host_blocks, num_layers, *block_shape), dtype=dtype, pin_memory=on_cuda)
-        # CUDA only: the offloads' side stream, the end of the last batch it queued, and
-        # the host blocks written since that end was last seen (None / empty on a CPU).
+        shape = (num_host_blocks, num_layers, *block_shape)
+        if on_cuda and num_host_blocks:
+            self.blocks = torch.empty(shape, dtype=dtype)
+            weakref.finalize(self, pin_host_memory(self.blocks))  # unlocked, then freed, with the buffer
+        else:
+            self.blocks = torch.zeros(shape, dtype=dtype)
+        block_bytes = self.blocks[0].numel() * self.blocks.element_size() if num_host_blocks else 0
+        self.chunk_blocks = min(num_host_blocks, max(1, device_buffer_bytes // max(2 * block_bytes, 1)))
+        # CUDA only (None on a CPU): the device buffer's two slots, and the next one to use; the offloads' side
+        # stream; per slot, the end of the last transfers that read it; the offloads whose transfers may still run.
         self._offload_stream = torch.cuda.Stream(device) if on_cuda and num_host_blocks else None
-        self._offloaded = torch.cuda.Event() if self._offload_stream is not None else None
-        self._offloading: set[int] = set()
+        self._slots = self._slot_read = None
+        if self._offload_stream is not None:
+            self._slots = torch.empty((2, self.chunk_blocks, *shape[1:]), dtype=dtype, device=device)
+            self._slot_read = [torch.cuda.Event(), torch.cuda.Event()]
+        self._next_slot = 0
+        self.offloads_running = OffloadQueue()
 
     @property
     def num_host_blocks(self) -> int:
@@ -125,32 +260,43 @@ class HostKVBuffer:
     def num_bytes(self) -> int:
         return self.blocks.numel() * self.blocks.element_size()
 
+    @property
+    def device_buffer_bytes(self) -> int:
+        """Bytes of the device buffer the copies pass through (0 on a CPU, where there is none)."""
+        return 0 if self._slots is None else self._slots.numel() * self._slots.element_size()
+
     def offload(
         self, caches: Sequence[torch.Tensor], device_block_ids: torch.Tensor, host_block_ids: Sequence[int]
     ) -> None:
         """host[host_block_ids[i]] = every cache's block device_block_ids[i].
 
         caches: the tier layers' device caches, in the buffer's layer order.
-        device_block_ids: int64 on the caches' device; host_block_ids distinct.
-        Mutates the named host blocks only. Checked by the caller
-        (`check_tier_copies`). On CUDA it returns once the transfers are
-        queued (see the module docstring for what orders them).
+        device_block_ids: int64 on the caches' device; host_block_ids distinct
+        (sorted, for the fewest transfers). Mutates the named host blocks only.
+        Checked by the caller (`check_tier_copies`). On CUDA it returns once
+        the transfers are queued (see the module docstring for what orders them).
         """
         if not host_block_ids:
             return
-        if self._offload_stream is None:
-            host_ids = torch.tensor(host_block_ids, dtype=torch.int64)
-            for layer, cache in enumerate(caches):
-                self.blocks[:, layer].index_copy_(0, host_ids, cache.index_select(0, device_block_ids))
+        side = self._offload_stream
+        if side is None:
+            for ids, host_ids in self._cpu_chunks(device_block_ids, host_block_ids):
+                for layer, cache in enumerate(caches):
+                    self.blocks[:, layer].index_copy_(0, host_ids, cache.index_select(0, ids))
             return
-        snapshot = torch.stack([cache.index_select(0, device_block_ids) for cache in caches], dim=1)
-        self._offload_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._offload_stream):
-            for row, first, count in consecutive_runs(host_block_ids):
-                self.blocks[first : first + count].copy_(snapshot[row : row + count], non_blocking=True)
-        snapshot.record_stream(self._offload_stream)  # kept from reuse until its transfers are done
-        self._offloaded.record(self._offload_stream)
-        self._offloading.update(host_block_ids)
+        compute = torch.cuda.current_stream(self.device)
+        for chunk in copy_plan(host_block_ids, self.chunk_blocks):
+            slot, staged = self._take_slot(compute)
+            ids = device_block_ids[chunk.start : chunk.stop]
+            for layer, cache in enumerate(caches):
+                torch.index_select(cache, 0, ids, out=staged[: len(ids), layer])
+            side.wait_stream(compute)
+            with torch.cuda.stream(side):
+                copy_runs(self.blocks, staged[: len(ids)], chunk.runs, to_host=True)
+            self._slot_read[slot].record(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        self.offloads_running.push(done, host_block_ids)
 
     def onload(
         self, caches: Sequence[torch.Tensor], device_block_ids: torch.Tensor, host_block_ids: Sequence[int]
@@ -164,23 +310,54 @@ class HostKVBuffer:
         if not host_block_ids:
             return
         if self._offload_stream is None:
-            host_ids = torch.tensor(host_block_ids, dtype=torch.int64)
-            for layer, cache in enumerate(caches):
-                cache.index_copy_(0, device_block_ids, self.blocks[:, layer].index_select(0, host_ids))
+            for ids, host_ids in self._cpu_chunks(device_block_ids, host_block_ids):
+                for layer, cache in enumerate(caches):
+                    cache.index_copy_(0, ids, self.blocks[:, layer].index_select(0, host_ids))
             return
         compute = torch.cuda.current_stream(self.device)
-        if self._offloading:
-            if self._offloaded.query():
-                self._offloading.clear()
-            elif not self._offloading.isdisjoint(host_block_ids):
-                compute.wait_event(self._offloaded)
-        loaded = torch.empty((len(host_block_ids), *self.blocks.shape[1:]), dtype=self.blocks.dtype, device=self.device)
-        for row, first, count in consecutive_runs(host_block_ids):
-            loaded[row : row + count].copy_(self.blocks[first : first + count], non_blocking=True)
-        for layer, cache in enumerate(caches):
-            cache.index_copy_(0, device_block_ids, loaded[:, layer])
+        writer = self.offloads_running.last_writer(host_block_ids)
+        if writer is not None:
+            compute.wait_event(writer)
+        for chunk in copy_plan(host_block_ids, self.chunk_blocks):
+            _, staged = self._take_slot(compute)
+            ids = device_block_ids[chunk.start : chunk.stop]
+            copy_runs(self.blocks, staged[: len(ids)], chunk.runs, to_host=False)
+            for layer, cache in enumerate(caches):
+                cache.index_copy_(0, ids, staged[: len(ids), layer])
 
     def synchronize(self) -> None:
         """Return once every queued copy to or from the host buffer is done (then it may be read on the host)."""
         if self._offload_stream is not None:
             torch.cuda.synchronize(self.device)
+            self.offloads_running.retire()
+
+    def _take_slot(self, compute: torch.cuda.Stream) -> tuple[int, torch.Tensor]:
+        """The next slot of the device buffer, once (on the compute stream) its last reader is done."""
+        slot = self._next_slot
+        self._next_slot = 1 - slot
+        compute.wait_event(self._slot_read[slot])  # a no-op until the event is first recorded
+        return slot, self._slots[slot]
+
+    def _cpu_chunks(
+        self, device_block_ids: torch.Tensor, host_block_ids: Sequence[int]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Per chunk of a CPU's batch: its device ids and its host ids (int64)."""
+        for start in range(0, len(host_block_ids), self.chunk_blocks):
+            stop = start + self.chunk_blocks
+            yield device_block_ids[start:stop], torch.tensor(host_block_ids[start:stop], dtype=torch.int64)
+
+
+def copy_runs(
+    host_blocks: torch.Tensor, rows: torch.Tensor, runs: Sequence[tuple[int, int, int]], to_host: bool
+) -> None:
+    """For each run (row, first, count): host_blocks[first:first+count] <-> rows[row:row+count], one copy each,
+    queued by one call (non-blocking: on CUDA each is one DMA transfer on the current stream).
+
+    runs: `consecutive_runs` of the host block ids of `rows`' blocks, in row order (they cover every row).
+    """
+    host = [host_blocks[first : first + count] for _, first, count in runs]
+    device = rows.split([count for _, _, count in runs])
+    if to_host:
+        torch._foreach_copy_(host, device, non_blocking=True)
+    else:
+        torch._foreach_copy_(list(device), host, non_blocking=True)

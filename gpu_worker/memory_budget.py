@@ -14,14 +14,18 @@ that check at the same moment can both pass, so start them one after the other.
 
 The host tier's buffer (`num_host_blocks` blocks of the full-attention
 layers) lives in host memory, pinned on CUDA, so it is no part of the device
-budget; `check_host_memory` refuses one larger than the host's available
-memory (MemAvailable), since pinned pages cannot be swapped out.
+budget (its copies pass through a device buffer of at most 256 MiB,
+`gpu_worker.host_tier`, which the headroom covers); `check_host_memory`
+refuses one larger than the memory available to the worker, since pinned
+pages cannot be swapped out: the host's MemAvailable, or less where the
+worker's cgroup (a container's memory limit, v1 or v2) leaves it less.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import torch
 
@@ -156,7 +160,16 @@ def check_device_memory(
     return budget
 
 
-def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+def available_host_bytes(
+    meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+) -> int | None:
+    """The host memory this process may still take: the lower of MemAvailable and what its cgroups' limits leave
+    (`cgroup_available_bytes`); None where neither is known."""
+    known = [n for n in (_mem_available(meminfo), cgroup_available_bytes(cgroup_root, proc_cgroup)) if n is not None]
+    return min(known, default=None)
+
+
+def _mem_available(meminfo: str) -> int | None:
     """The host's MemAvailable in bytes; None where the kernel does not report it."""
     try:
         with open(meminfo) as lines:
@@ -168,10 +181,73 @@ def available_host_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
+# Per cgroup version: the limit's file, the usage's file, and the inactive file pages' key in memory.stat.
+_CGROUP_MEMORY_FILES = {
+    2: ("memory.max", "memory.current", "inactive_file"),
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+
+
+def cgroup_available_bytes(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """The least that the memory limits of this process's cgroup and its ancestors leave it; None where none applies.
+
+    Each limit leaves `limit - usage + inactive file pages` (the page cache the
+    kernel reclaims before it refuses memory). The cgroup is read from
+    `proc_cgroup` (v2: `0::PATH` under `cgroup_root`; v1: the `memory`
+    controller's line, under `cgroup_root/memory`); where PATH is not there (a
+    container's cgroup namespace mounts its own cgroup as the root), the root.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    left = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        if fields[0] == "0" and fields[1] == "":
+            version, mount = 2, Path(cgroup_root)
+        elif "memory" in fields[1].split(","):
+            version, mount = 1, Path(cgroup_root) / "memory"
+        else:
+            continue
+        directory = mount / fields[2].lstrip("/")
+        if not directory.is_dir():
+            directory = mount
+        while True:
+            found = _cgroup_left(directory, *_CGROUP_MEMORY_FILES[version])
+            if found is not None:
+                left.append(found)
+            if directory == mount or directory == directory.parent:
+                break
+            directory = directory.parent
+    return min(left, default=None)
+
+
+def _cgroup_left(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """What one cgroup's memory limit leaves; None when it has none (or its files cannot be read)."""
+    try:
+        limit = (directory / limit_file).read_text().strip()
+        if limit == "max":
+            return None
+        left = int(limit) - int((directory / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                left += int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, left)
+
+
 def check_host_memory(config: ModelConfig, pool: PoolShape, dtype: torch.dtype, available_bytes: int | None) -> int:
     """The host tier's bytes; raises HostMemoryError (one line) when they exceed `available_bytes`.
 
-    available_bytes: the host's available memory; None (unknown) skips the check.
+    available_bytes: the memory available to the worker (`available_host_bytes`); None (unknown) skips the check.
     """
     needed = host_tier_bytes(config, pool, dtype.itemsize)
     if available_bytes is not None and needed > available_bytes:

@@ -10,6 +10,15 @@ config declares: optional biases on the projections (`LayerWeights` holds
 None where there is none), an optional RMSNorm of each query and key head
 before RoPE (Qwen3), a window per layer, and the RoPE frequency rule
 (`gpu_worker.rope`).
+
+The norms and rotations come from a `LayerOps` (`kernels.layer_ops`): the
+torch references by default (the dense pass), the fused Triton kernels when
+the runner passes its kernel set's. A layer normalises once per sublayer,
+the residual add folded into the norm that follows it:
+
+    x = norm(h)                                    before the first layer
+    h, x = h + attention(x), norm(h + attention(x))
+    h, x = h + mlp(x), norm_next(h + mlp(x))       norm_next: the next layer's input norm, or the final one
 """
 
 from __future__ import annotations
@@ -20,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.rope import RotaryEmbedding, apply_rope
+from gpu_worker.rope import RotaryEmbedding
 from gpu_worker.weights import Weights
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
 class Attention(Protocol):
@@ -48,6 +58,7 @@ class LlamaModel:
         positions: torch.Tensor,
         attention: Attention,
         sequence_ends: torch.Tensor | None = None,
+        layer_ops: LayerOps = TORCH_LAYER_OPS,
     ) -> torch.Tensor:
         """Final hidden states `[num_tokens, hidden]` of the tokens `token_ids` at `positions`.
 
@@ -57,23 +68,26 @@ class LlamaModel:
         """
         config = self.config
         eps = config.rms_norm_eps
+        layers = self.weights.layers
         hidden = self.weights.embed_tokens[token_ids]
         cos, sin = self.rotary.cos_sin(positions, sequence_ends)
         num_tokens = token_ids.shape[0]
-        for index, layer in enumerate(self.weights.layers):
-            x = _rms_norm(hidden, layer.input_norm, eps)
+        x = layer_ops.rms_norm(hidden, layers[0].input_norm, eps)
+        for index, layer in enumerate(layers):
             query = F.linear(x, layer.q_proj, layer.q_bias).view(num_tokens, config.num_heads, config.head_dim)
             key = F.linear(x, layer.k_proj, layer.k_bias).view(num_tokens, config.num_kv_heads, config.head_dim)
             value = F.linear(x, layer.v_proj, layer.v_bias).view(num_tokens, config.num_kv_heads, config.head_dim)
             if layer.q_norm is not None:
-                query, key = _rms_norm(query, layer.q_norm, eps), _rms_norm(key, layer.k_norm, eps)
-            query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+                query, key = layer_ops.rms_norm(query, layer.q_norm, eps), layer_ops.rms_norm(key, layer.k_norm, eps)
+            query, key = layer_ops.rotary(query, key, cos, sin)
             attended = attention(index, query, key, value)
-            hidden = hidden + F.linear(attended.reshape(num_tokens, -1), layer.o_proj, layer.o_bias)
-            x = _rms_norm(hidden, layer.post_attention_norm, eps)
+            attended = F.linear(attended.reshape(num_tokens, -1), layer.o_proj, layer.o_bias)
+            hidden, x = layer_ops.add_rms_norm(hidden, attended, layer.post_attention_norm, eps)
             gate, up = F.linear(x, layer.gate_proj, layer.gate_bias), F.linear(x, layer.up_proj, layer.up_bias)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj, layer.down_bias)
-        return _rms_norm(hidden, self.weights.norm, eps)
+            mlp = F.linear(F.silu(gate) * up, layer.down_proj, layer.down_bias)
+            next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else self.weights.norm
+            hidden, x = layer_ops.add_rms_norm(hidden, mlp, next_norm, eps)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[num_tokens, vocab]` of final hidden states."""
@@ -108,8 +122,3 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
     return out.transpose(0, 1).to(query.dtype)
 
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, in fp32 math, scaled by `weight` in `x`'s dtype (transformers' order)."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight

@@ -17,7 +17,8 @@ computes them (`modeling_rope_utils.py`), for i = 0 .. d/2 - 1:
              forward), so each request of a batch has frequencies of its own
 
 A token at position p is rotated by p * inv_freq; the two halves of a head
-are rotated as pairs (x[i], x[i + d/2]), the Llama convention.
+are rotated as pairs (x[i], x[i + d/2]), the Llama convention
+(`kernels.layer_ops.rotary_reference`, `kernels.rotary`).
 """
 
 from __future__ import annotations
@@ -91,11 +92,3 @@ class RotaryEmbedding:
         angles = positions.float()[:, None] * inv_freq
         return angles.cos(), angles.sin()
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` `[num_tokens, heads, head_dim]` with each head's halves rotated by the token's angles, in fp32 math."""
-    x32 = x.float()
-    half = x.shape[-1] // 2
-    first, second = x32[..., :half], x32[..., half:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)

@@ -16,8 +16,11 @@ starts, lengths, block-table rows, sampling parameters) goes over in one
 copy of a per-step staging buffer (`gpu_worker.staging`); positions and the
 rows whose logits are needed are derived on the device. Sampling runs on the
 device too, and only each request's token id and log-probability come back,
-in one copy. Whatever could be an illegal memory access on a GPU (a block id
-past the pool, aliasing copies) is checked on the host before it moves.
+in one copy. With `use_decode_graphs`, a decode step copies its staged arrays
+into static buffers and runs padded to a fixed batch size, on CUDA from a
+captured graph (`gpu_worker.decode_graphs`). Whatever could be an illegal
+memory access on a GPU (a block id past the pool, aliasing copies) is checked
+on the host before it moves.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from gpu_worker.block_tables import BlockTables
+from gpu_worker.decode_graphs import DecodeGraphs, DecodeInputs
 from gpu_worker.host_tier import HostKVBuffer, check_tier_copies
 from gpu_worker.kv_presence import KVPresence, TokenSpan, UnfilledKVError
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.sampling import SampledRows, SamplingParams, noise_key, sample
+from gpu_worker.sampling import SampledRows, SamplingParams, noise_key, sample, sample_rows
 from gpu_worker.staging import StagedArray, Staging
 from kernels import KernelSet
 from kernels.copy_checks import check_copies
@@ -142,6 +146,7 @@ class ModelRunner:
         )  # fmt: skip
         self.scale = config.head_dim**-0.5
         self.last_applied_step_id = 0
+        self.decode_graphs: DecodeGraphs | None = None  # see `use_decode_graphs`
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -233,6 +238,21 @@ class ModelRunner:
         self.presence.record_written(spans)
         return outputs
 
+    def use_decode_graphs(self, batch_sizes: Sequence[int], capture: bool) -> None:
+        """Run every later decode step of at most max(batch_sizes) requests padded to the next batch size,
+        through static buffers (`gpu_worker.decode_graphs`); with `capture` (CUDA), from CUDA graphs
+        recorded now, one per batch size. Other steps run as before.
+        """
+        if max(batch_sizes) > self.pool.max_num_requests:
+            raise ValueError(f"batch sizes {list(batch_sizes)} exceed the pool's {self.pool.max_num_requests} requests")
+        max_blocks = [-(-self.pool.max_model_len // group.block_size) for group in self.pool.groups]
+        graphs = DecodeGraphs(
+            DecodeInputs.allocate(max(batch_sizes), max_blocks, self.device), batch_sizes, self._decode_body
+        )
+        if capture:
+            graphs.capture()
+        self.decode_graphs = graphs
+
     def _forward(self, requests: Sequence[ScheduledRequest]) -> list[RequestOutput]:
         """The forward pass over checked requests: stores their K/V, samples their next tokens."""
         token_ids: list[int] = []
@@ -246,6 +266,28 @@ class ModelRunner:
             seq_lens.append(end)
             if request.sampling.temperature > 0:
                 sampled.append((index, request.sampling, end))
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_of(len(requests)) if graphs is not None and len(token_ids) == len(requests) else None
+        if bucket is not None:
+            chosen, logprobs = self._decode_step(requests, token_ids, seq_lens, sampled, bucket)
+        else:
+            chosen, logprobs = self._step(requests, token_ids, query_start_loc, seq_lens, sampled)
+        # The step's one device-to-host copy; token ids are exact in float64.
+        chosen_ids, chosen_logprobs = torch.stack((chosen.double(), logprobs.double())).cpu().tolist()
+        return [
+            RequestOutput(request.request_id, int(token_id), logprob)
+            for request, token_id, logprob in zip(requests, chosen_ids, chosen_logprobs)
+        ]
+
+    def _step(
+        self,
+        requests: Sequence[ScheduledRequest],
+        token_ids: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        sampled: Sequence[tuple[int, SamplingParams, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any batch, eagerly: (chosen token ids, log-probabilities) on the device."""
         staging = Staging()
         staged_tokens = staging.add(token_ids, torch.int64)
         staged_starts = staging.add(query_start_loc, torch.int32)
@@ -261,6 +303,68 @@ class ModelRunner:
             self.kernels.slot_mapping(table, starts, positions, group.block_size)
             for table, group in zip(block_tables, self.pool.groups)
         ]
+        sequence_ends = None
+        if self.model.rotary.needs_sequence_ends:  # dynamic RoPE: every token at its request's length this step
+            sequence_ends = lengths.repeat_interleave(starts.diff(), output_size=len(token_ids))
+        hidden = self._run_model(tokens, starts, lengths, positions, block_tables, slot_mappings, sequence_ends)
+        logits = self.model.logits(hidden.index_select(0, starts[1:] - 1))
+        return sample(logits, None if staged_sampling is None else staged_sampling.on_device())
+
+    def _decode_step(
+        self,
+        requests: Sequence[ScheduledRequest],
+        token_ids: list[int],
+        seq_lens: list[int],
+        sampled: Sequence[tuple[int, SamplingParams, int]],
+        bucket: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step through the static buffers of `bucket` rows: (chosen token ids, log-probabilities)."""
+        temperatures, noise_keys = [0.0] * len(requests), [0] * len(requests)
+        for row, params, position in sampled:
+            temperatures[row], noise_keys[row] = params.temperature, noise_key(params.seed, position)
+        staging = Staging()
+        staged = [
+            staging.add(token_ids, torch.int64),
+            staging.add(seq_lens, torch.int32),
+            staging.add(temperatures, torch.float32),
+            staging.add(noise_keys, torch.int64),
+            staging.add([len(requests)], torch.int64),
+        ]
+        staged_tables = self.tables.stage([r.request_id for r in requests], staging)
+        staging.to(self.device)
+        graphs = self.decode_graphs
+        graphs.inputs.fill(*(array.tensor for array in staged), staged_tables.tables())
+        chosen, logprobs = graphs.run(bucket)
+        return chosen[: len(requests)], logprobs[: len(requests)]
+
+    def _decode_body(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token per row of `inputs` (a bucket), with no host-side branch on values."""
+        positions = (inputs.seq_lens - 1).to(torch.int64)
+        padding = inputs.row_ids >= inputs.num_rows
+        slot_mappings = [
+            self.kernels.slot_mapping(table, inputs.query_start_loc, positions, group.block_size).masked_fill_(
+                padding, -1
+            )
+            for table, group in zip(inputs.block_tables, self.pool.groups)
+        ]
+        sequence_ends = inputs.seq_lens if self.model.rotary.needs_sequence_ends else None
+        hidden = self._run_model(
+            inputs.token_ids, inputs.query_start_loc, inputs.seq_lens, positions, inputs.block_tables, slot_mappings,
+            sequence_ends,
+        )  # fmt: skip
+        return sample_rows(self.model.logits(hidden), inputs.temperatures, inputs.noise_keys)
+
+    def _run_model(
+        self,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: Sequence[torch.Tensor],
+        slot_mappings: Sequence[torch.Tensor],
+        sequence_ends: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Final hidden states of the batch; stores its K/V at `slot_mappings` (per group) on the way."""
 
         def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             group = self.layer_groups[layer]
@@ -270,18 +374,7 @@ class ModelRunner:
                 query, cache, block_tables[group], starts, lengths, self.scale, self.pool.groups[group].sliding_window
             )
 
-        sequence_ends = None
-        if self.model.rotary.needs_sequence_ends:  # dynamic RoPE: every token at its request's length this step
-            sequence_ends = lengths.repeat_interleave(starts.diff(), output_size=len(token_ids))
-        hidden = self.model.forward(tokens, positions, paged_attention, sequence_ends)
-        logits = self.model.logits(hidden.index_select(0, starts[1:] - 1))
-        chosen, logprobs = sample(logits, None if staged_sampling is None else staged_sampling.on_device())
-        # The step's one device-to-host copy; token ids are exact in float64.
-        chosen_ids, chosen_logprobs = torch.stack((chosen.double(), logprobs.double())).cpu().tolist()
-        return [
-            RequestOutput(request.request_id, int(token_id), logprob)
-            for request, token_id, logprob in zip(requests, chosen_ids, chosen_logprobs)
-        ]
+        return self.model.forward(tokens, positions, paged_attention, sequence_ends, self.kernels.layer_ops)
 
     def _check_delta(self, delta: pb.StepDelta) -> BlockMoves:
         """The delta's block moves; FailedPreconditionError when the delta does not fit the pool or the host tier."""

@@ -15,6 +15,11 @@ position: the paged worker and the dense reference (which both call
 `sample`) pick the same tokens, and a batch needs no random state. The
 choice and the log-probability of the chosen token (log_softmax(logits) at
 it) are computed on the logits' device, batched over the rows.
+
+`sample` takes only the rows that sample and leaves greedy rows alone;
+`sample_rows` computes every row both ways and picks by temperature, with
+no branch on the host, for a decode step captured in a CUDA graph. The two
+choose the same tokens: the sampled rows' arithmetic is the same.
 """
 
 from __future__ import annotations
@@ -79,6 +84,23 @@ def sample(logits: torch.Tensor, sampled: SampledRows | None) -> tuple[torch.Ten
         token_ids.append(chosen)
         logprobs.append(torch.log_softmax(part, dim=-1).gather(1, chosen[:, None])[:, 0])
     return torch.cat(token_ids), torch.cat(logprobs)
+
+
+def sample_rows(
+    logits: torch.Tensor, temperatures: torch.Tensor, noise_keys: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` with a temperature (0: greedy) and a noise key for every row, `[num_rows]` each.
+
+    The same choices and log-probabilities as `sample` given the rows with
+    temperature > 0, from a fixed sequence of operations whatever the
+    temperatures: Gumbel noise is drawn for every row (a greedy row's is
+    unused). Nothing is copied to the host, nothing mutated.
+    """
+    sampling = temperatures > 0
+    scores = logits / torch.where(sampling, temperatures, 1.0)[:, None]
+    drawn = scores.add_(gumbel_noise(noise_keys, logits.shape[1])).argmax(dim=-1)
+    chosen = torch.where(sampling, drawn, logits.argmax(dim=-1))
+    return chosen, torch.log_softmax(logits, dim=-1).gather(1, chosen[:, None])[:, 0]
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, position: int) -> tuple[int, float]:

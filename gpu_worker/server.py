@@ -16,6 +16,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import kernels
+from gpu_worker.decode_graphs import bucket_sizes
 from gpu_worker.memory_budget import available_host_bytes, check_device_memory, check_host_memory
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig, resolve_model
@@ -61,6 +62,7 @@ class WorkerOptions:
     tokens: TokenTable | None = None  # bearer tokens its callers must present; None: none
     manager_tls: ClientTLS | None = None  # how to reach the manager; None: plaintext
     manager_token: str | None = dataclasses.field(default=None, repr=False)  # an operator token of the manager
+    cuda_graphs: bool = False  # decode steps replayed from CUDA graphs (`ModelRunner.use_decode_graphs`)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -79,6 +81,8 @@ class WorkerOptions:
             raise ValueError(f"--manager-timeout-s must be > 0, got {self.manager_timeout_s:g}")
         if not self.worker_id:
             raise ValueError("--worker-id must not be empty")
+        if self.cuda_graphs and (self.device, self.backend) != ("cuda", "triton"):
+            raise ValueError(f"--cuda-graphs needs --device cuda --backend triton, got {self.device} and {self.backend}")
         try:
             manager_addresses(self.manager)
         except ValueError:
@@ -214,6 +218,11 @@ def start_worker(options: WorkerOptions) -> RunningWorker:
         )  # fmt: skip
     if options.backend == "triton" and device.type == "cuda":  # the CPU interpreter has nothing to compile
         warm_up_kernels(model_config, pool, dtype, device)
+    if options.cuda_graphs:
+        started = time.monotonic()
+        runner.use_decode_graphs(bucket_sizes(pool.max_num_requests), capture=True)
+        log.info("decode CUDA graphs captured for batch sizes %s in %.1f s", runner.decode_graphs.sizes,
+                 time.monotonic() - started)  # fmt: skip
 
     # Start from the manager's present tables, none of whose KV is here; follow every later step.
     snapshot = manager.block_tables()

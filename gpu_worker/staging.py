@@ -4,9 +4,15 @@ The runner adds every array a step needs (token ids, query starts, lengths,
 block-table rows, sampling parameters), then calls `to` once: it packs them
 into one host buffer, copies that buffer to the device, and hands each array
 back as a view of the device copy. Layout, in the order added, each array
-starting on an 8-byte boundary:
+starting on a 16-byte boundary:
 
     | token ids (int64) | query_start_loc (int32) | ... | table rows (int32 [n, width]) |
+
+The 16 bytes matter on a GPU: Triton compiles a kernel once per combination
+of its pointer arguments being 16-byte aligned or not. With every staged
+array 16-byte aligned (the device copy starts on an allocator boundary), a
+step's `query_start_loc` or `seq_lens` is aligned whatever the counts before
+it, so serving launches the variants the warm-up compiled.
 
 On a CUDA device the host buffer is pinned, so the copy is asynchronous and
 the host goes on queueing work. Every step gets a new buffer: torch's
@@ -23,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-_ALIGN_BYTES = 8
+ALIGN_BYTES = 16
 # The `array` type code of each dtype a Staging packs from Python numbers.
 _TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
 
@@ -88,12 +94,12 @@ class Staging:
         """Pack the arrays into one host buffer (pinned on CUDA), copy it to `device`, set every `tensor`."""
         assert not self.moved, "a Staging moves its arrays once"
         self.moved = True
-        packed = bytearray(self.num_bytes)
-        for offset, data in self.packed:
-            packed[offset : offset + len(data)] = data
-        host = torch.frombuffer(packed, dtype=torch.uint8) if packed else torch.empty(0, dtype=torch.uint8)
-        if device.type == "cuda":
-            host = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=True).copy_(host)
+        # torch's host allocators align a buffer to 64 bytes or more: every array is 16-byte aligned here too.
+        host = torch.empty(self.num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        if self.packed:
+            written = memoryview(host.numpy())
+            for offset, data in self.packed:
+                written[offset : offset + len(data)] = data
         for staged, source, rows in self.gathers:
             torch.index_select(source, 0, torch.tensor(rows, dtype=torch.int64), out=staged.view_of(host))
         moved = host.to(device, non_blocking=True)
@@ -103,6 +109,6 @@ class Staging:
     def _append(self, dtype: torch.dtype, shape: tuple[int, ...]) -> StagedArray:
         assert not self.moved, "add every array before Staging.to"
         staged = StagedArray(self.num_bytes, dtype, shape)
-        self.num_bytes += -(-staged.num_bytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        self.num_bytes += -(-staged.num_bytes // ALIGN_BYTES) * ALIGN_BYTES
         self.arrays.append(staged)
         return staged

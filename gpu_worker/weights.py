@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import re
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -80,6 +82,7 @@ _NORMS = frozenset({"input_norm", "post_attention_norm", "q_norm", "k_norm"})
 _BIASES = frozenset({"q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias"})
 # Older checkpoints store RoPE's inverse frequencies; the worker derives them from the config.
 _DERIVED_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -122,19 +125,19 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_weights(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> Weights:
-    """Deterministic weights for `seed`, drawn on the CPU in fp32 (the same on every device).
+    """Deterministic weights for `seed`, drawn on `device` in fp32 (`normal_draws`: the same on every device).
 
     Matrices are scaled by 1/sqrt(fan_in) so activations stay of order one and
     the logits are peaked enough that greedy choices are not near-ties; norms
     are near 1 and biases near 0.
     """
-    generator = torch.Generator().manual_seed(seed)
+    streams = itertools.count()  # each tensor its own stream of draws, in this order
 
     def draw(shape: tuple[int, ...], std: float) -> torch.Tensor:
-        return (torch.randn(shape, generator=generator) * std).to(device=device, dtype=dtype)
+        return (normal_draws(shape, seed, next(streams), device) * std).to(dtype)
 
     def norm_weight(size: int) -> torch.Tensor:
-        return (1.0 + 0.1 * torch.randn((size,), generator=generator)).to(device=device, dtype=dtype)
+        return (1.0 + 0.1 * normal_draws((size,), seed, next(streams), device)).to(dtype)
 
     layers = []
     for _ in range(config.num_layers):
@@ -148,6 +151,55 @@ def random_weights(config: ModelConfig, seed: int, dtype: torch.dtype, device: t
     embed = draw((config.vocab_size, config.hidden_size), 1.0)
     lm_head = embed if config.tie_word_embeddings else draw((config.vocab_size, config.hidden_size), 2.0 / math.sqrt(config.hidden_size))
     return Weights(embed, layers, norm_weight(config.hidden_size), lm_head)
+
+
+_MASK32 = 0xFFFFFFFF
+# Pairs of elements drawn at once: on a CPU few enough for each op to stay in its caches and on one thread,
+# on a GPU enough for each launch to fill it.
+DRAW_CHUNKS = {"cpu": 1 << 14, "cuda": 1 << 24}
+
+
+def normal_draws(shape: tuple[int, ...], seed: int, stream: int, device: torch.device) -> torch.Tensor:
+    """float32 standard normal draws of `shape`, computed on `device`; element i depends on (seed, stream, i) alone.
+
+    A counter-based generator: each element's uniform variate is an integer
+    hash of its index, exact on every device, and each pair of elements is
+    a Box-Muller pair. So a CPU and a GPU draw the same weights (up to the
+    last bit of log, cos and sin), and a GPU draws its own, in parallel,
+    instead of one CPU generator drawing them all before a copy.
+    """
+    numel = math.prod(shape)
+    assert numel < 1 << 32, f"{shape}: one stream draws fewer than 2^32 elements"
+    seed &= (1 << 64) - 1
+    key = _mix32(_mix32(_mix32(seed & _MASK32) ^ (seed >> 32)) ^ (stream & _MASK32))
+    num_pairs = -(-numel // 2)
+    chunk = DRAW_CHUNKS.get(device.type, DRAW_CHUNKS["cuda"])
+    out = torch.empty((num_pairs, 2), dtype=torch.float32, device=device)
+    for start in range(0, num_pairs, chunk):
+        stop = min(start + chunk, num_pairs)
+        bits = _mix32(torch.arange(2 * start, 2 * stop, dtype=torch.int64, device=device) ^ key).view(-1, 2) >> 8
+        radius = torch.sqrt(-2.0 * torch.log((bits[:, 0] + 1).float() * 2.0**-24))  # of a variate in (0, 1]
+        angle = bits[:, 1].float() * (2 * math.pi * 2.0**-24)
+        torch.mul(radius, torch.cos(angle), out=out[start:stop, 0])
+        torch.mul(radius, torch.sin(angle), out=out[start:stop, 1])
+    return out.view(-1)[:numel].view(shape)
+
+
+def _mix32(x: IntOrTensor) -> IntOrTensor:
+    """A bijection of [0, 2^32) that scatters every input bit over the output (the lowbias32 constants).
+
+    On Python ints and on int64 tensors alike: no intermediate leaves int64.
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x: IntOrTensor, factor: int) -> IntOrTensor:
+    """x * factor mod 2^32 for x in [0, 2^32), from two products below 2^48."""
+    return (x * (factor & 0xFFFF) + (((x * (factor >> 16)) & 0xFFFF) << 16)) & _MASK32
 
 
 def load_safetensors(directory: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Weights:

@@ -1,4 +1,4 @@
-"""The worker's four kernels, each a Triton kernel beside its torch reference.
+"""The worker's kernels, each a Triton kernel beside its torch reference.
 
 Every kernel module exports a Triton launcher `<name>` and a torch
 reference `<name>_reference` with the same signature; `load(backend, device)`
@@ -18,6 +18,10 @@ variable once, when a kernel module is imported, and builds interpreter or
 GPU kernels for the life of the process; `load("triton", "cuda")` refuses
 interpreter kernels, which would read device memory on the host.
 
+`layer_ops` holds the decoder layer's RMSNorm (with the residual add) and
+RoPE: the fused Triton kernels of `kernels.rms_norm` and `kernels.rotary`,
+or their torch references (`kernels.layer_ops`, which the dense pass uses).
+
 `kernels.warmup` compiles, before a worker serves, every kernel variant its
 model and pool can launch.
 """
@@ -28,8 +32,13 @@ import os
 import sys
 from typing import Callable, NamedTuple
 
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
+
 BACKENDS = ("torch", "triton")
-_KERNEL_MODULES = ("kernels.store_kv", "kernels.slot_mapping", "kernels.paged_attention", "kernels.copy_blocks")
+_KERNEL_MODULES = (
+    "kernels.store_kv", "kernels.slot_mapping", "kernels.paged_attention", "kernels.copy_blocks", "kernels.rms_norm",
+    "kernels.rotary",
+)  # fmt: skip
 
 
 class KernelSet(NamedTuple):
@@ -37,6 +46,7 @@ class KernelSet(NamedTuple):
     slot_mapping: Callable[..., object]
     paged_attention: Callable[..., object]
     copy_blocks: Callable[..., None]
+    layer_ops: LayerOps
 
 
 def load(backend: str, device: str) -> KernelSet:
@@ -51,7 +61,7 @@ def load(backend: str, device: str) -> KernelSet:
     imported = [name for name in _KERNEL_MODULES if name in sys.modules]
     if backend == "triton" and device == "cpu" and not imported:
         os.environ["TRITON_INTERPRET"] = "1"
-    from kernels import copy_blocks, paged_attention, slot_mapping, store_kv
+    from kernels import copy_blocks, paged_attention, rms_norm, rotary, slot_mapping, store_kv
 
     if backend == "triton" and device == "cpu" and not interpreting():
         raise RuntimeError(
@@ -67,11 +77,14 @@ def load(backend: str, device: str) -> KernelSet:
         )
 
     suffix = "_reference" if backend == "torch" else ""
+    fused = LayerOps(rms_norm.rms_norm, rms_norm.add_rms_norm, rotary.rotary)
+    layer_ops = TORCH_LAYER_OPS if backend == "torch" else fused
     return KernelSet(
         getattr(store_kv, "store_kv" + suffix),
         getattr(slot_mapping, "slot_mapping" + suffix),
         getattr(paged_attention, "paged_attention" + suffix),
         getattr(copy_blocks, "copy_blocks" + suffix),
+        layer_ops,
     )
 
 

@@ -12,11 +12,17 @@ are independent of their order and may run in parallel.
 The copy is bit-exact for every dtype: the kernel moves integer views of the
 caches. One launch covers every layer: the launcher passes a table of the
 layers' base addresses, and each program turns its layer's entry back into a
-pointer.
+pointer. The table is built on the caches' device once per set of layers
+(a worker's caches never move) and reused, so a call copies nothing from the
+host. A pointer loaded from memory carries no alignment Triton can see: the
+launcher requires every layer to start on a 16-byte boundary (any allocator's
+tensor does) and the kernel says so (`tl.multiple_of`), so a block whose
+stride and size are multiples of 16 bytes moves in 16-byte loads and stores.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +34,7 @@ from kernels.copy_checks import check_copies
 # Integer dtype of each element size: the kernel moves bits, never values.
 _BITS_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_CHUNK = 4096
+LAYER_ALIGN_BYTES = 16
 
 
 @triton.jit
@@ -45,6 +52,7 @@ def _copy_blocks_kernel(
     copy = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     cache = tl.load(layer_ptrs_ptr + layer).to(tl.pointer_type(first_layer_ptr.dtype.element_ty))
+    cache = tl.multiple_of(cache, 16)  # LAYER_ALIGN_BYTES, checked by the launcher
     src = cache + tl.load(copies_ptr + 2 * copy) * block_stride
     dst = cache + tl.load(copies_ptr + 2 * copy + 1) * block_stride
     for start in range(0, block_numel, CHUNK):
@@ -58,7 +66,8 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> None
 
     kv_caches: one `[num_blocks, 2, block_size, num_kv_heads, head_dim]` tensor
     per layer (at least one), all of one shape, dtype, device and strides,
-    each block's elements contiguous (any stride between blocks).
+    each block's elements contiguous (any stride between blocks), each layer
+    starting on a 16-byte boundary.
     copies: int64 `[num_copies, 2]` of (src_block_id, dst_block_id), on the
     CPU or on the caches' device, ids in [0, num_blocks), destinations
     distinct and never a source of the same call. Only the destination
@@ -76,7 +85,7 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> None
     first = layers[0]
     device = first.device
     bits = _BITS_DTYPES[first.element_size()]
-    layer_ptrs = torch.tensor([layer.data_ptr() for layer in layers], dtype=torch.int64).to(device)
+    layer_ptrs = _layer_table(device, tuple(layer.data_ptr() for layer in layers))
     block_numel = first[0].numel()
     _copy_blocks_kernel[(num_copies, len(layers))](
         layer_ptrs,
@@ -86,6 +95,15 @@ def copy_blocks(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> None
         block_numel,
         CHUNK=min(triton.next_power_of_2(block_numel), _MAX_CHUNK),
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_table(device: torch.device, layer_ptrs: tuple[int, ...]) -> torch.Tensor:
+    """int64 `[num_layers]` of base addresses on `device`, built once per set of addresses.
+
+    The table holds addresses only, so it is right for any tensors at them: no stale entry can mislead.
+    """
+    return torch.tensor(layer_ptrs, dtype=torch.int64).to(device)
 
 
 def copy_blocks_reference(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> None:
@@ -111,6 +129,12 @@ def _check_args(kv_caches: Sequence[torch.Tensor], copies: torch.Tensor) -> list
         )
     if first.element_size() not in _BITS_DTYPES:
         raise ValueError(f"kv_caches[0] has an unsupported dtype {first.dtype}")
+    misaligned = [i for i, layer in enumerate(layers) if layer.data_ptr() % LAYER_ALIGN_BYTES]
+    if misaligned:
+        raise ValueError(
+            f"kv_caches[{misaligned[0]}] must start on a {LAYER_ALIGN_BYTES}-byte boundary, "
+            f"its address is {layers[misaligned[0]].data_ptr():#x}"
+        )
     if first[0].numel() and not first[0].is_contiguous():
         raise ValueError(
             f"each block of kv_caches[0] must be contiguous (strides of dims 1..4 of a contiguous tensor), "

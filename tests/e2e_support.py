@@ -15,7 +15,7 @@ from processes import launch, stop_all
 
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import resolve_model
-from gpu_worker.sampling import GREEDY, SamplingParams, choose
+from gpu_worker.sampling import GREEDY, SamplingParams, choose, gumbel_noise, noise_key
 from gpu_worker.weights import load_safetensors, random_weights
 from kv_manager_service.client import KVManagerClient
 from kv_tooling.launch import LaunchedProcess
@@ -44,10 +44,11 @@ def start_stack(
     worker_args: Sequence[str] = (),
     manager_args: Sequence[str] = (),
     device: str = "cpu",
+    dtype: str = "float32",
 ) -> tuple[Stack, list[LaunchedProcess]]:
     """`kv-manager serve` and `gpu-worker` as real processes, as a user starts them; `*_args` are extra flags.
 
-    The worker computes in float32 on `device` ("cpu" or "cuda"), the dtype of the dense oracle.
+    The worker computes in `dtype` (float32 by default, the dense oracle's) on `device` ("cpu" or "cuda").
     """
     config_path = directory / "pool.json"
     config_path.write_text(json.dumps(pool))
@@ -60,7 +61,9 @@ def start_stack(
             directory / "manager.log",
         )
         processes.append(manager)
-        worker = launch_worker(directory / "worker.log", manager.address, model, backend, seed, worker_args, device)
+        worker = launch_worker(
+            directory / "worker.log", manager.address, model, backend, seed, worker_args, device, dtype=dtype
+        )
         processes.append(worker)
     except BaseException:
         stop_all(processes)
@@ -77,12 +80,13 @@ def launch_worker(
     worker_args: Sequence[str] = (),
     device: str = "cpu",
     worker_id: str = "worker-0",
+    dtype: str = "float32",
 ) -> LaunchedProcess:
     """A `gpu-worker` process following the manager at `manager_address`, as a user starts one."""
     return launch(
         [
             sys.executable, "-m", "gpu_worker.cli", "--manager", manager_address, "--port", "0",
-            "--device", device, "--dtype", "float32", "--backend", backend, "--model", model, "--seed", str(seed),
+            "--device", device, "--dtype", dtype, "--backend", backend, "--model", model, "--seed", str(seed),
             "--worker-id", worker_id, *worker_args,
         ],
         WORKER_READY_PREFIX,
@@ -103,15 +107,18 @@ def stop_stack(stack: Stack, processes: list[LaunchedProcess]) -> list[str]:
 
 
 class DenseOracle:
-    """The worker's model, run densely: every token recomputed from the whole sequence, no cache."""
+    """The worker's model, run densely on the CPU: every token recomputed from the whole sequence, no cache.
 
-    def __init__(self, model: str, seed: int = 0) -> None:
+    `dtype` is the weights' and activations' (the worker's own, for a like-for-like reference).
+    """
+
+    def __init__(self, model: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
         config, checkpoint = resolve_model(model)
         cpu = torch.device("cpu")
         if checkpoint is None:
-            weights = random_weights(config, seed, torch.float32, cpu)
+            weights = random_weights(config, seed, dtype, cpu)
         else:
-            weights = load_safetensors(checkpoint, config, torch.float32, cpu)
+            weights = load_safetensors(checkpoint, config, dtype, cpu)
         self.model = LlamaModel(config, weights)
 
     def next_token(self, tokens: Sequence[int], sampling: SamplingParams) -> tuple[int, float]:
@@ -132,6 +139,34 @@ class DenseOracle:
                 f"{request.request_id}: output {index} (position {position}) is {token_id}, the dense pass chose {expected}"
             )
             assert abs(request.logprobs[index] - logprob) <= logprob_atol, (request.request_id, index, request.logprobs[index], logprob)
+
+
+    def check_near(self, request: Request, logit_margin: float, logprob_atol: float) -> int:
+        """Each output token is the dense choice or within `logit_margin` of it; returns how many are exactly it.
+
+        The margin is on the score a choice maximises (logits / T + Gumbel noise, as `sampling` defines it,
+        plain logits when greedy), scaled to logits; the worker's log-probability of its token is within
+        `logprob_atol` of the dense one.
+        """
+        exact = 0
+        for index, token_id in enumerate(request.output):
+            position = len(request.prompt) + index
+            logits = self.model.dense_logits(torch.tensor(request.tokens[:position], dtype=torch.int64))
+            temperature = request.sampling.temperature
+            scores = logits
+            if temperature > 0:
+                noise = gumbel_noise(torch.tensor([noise_key(request.sampling.seed, position)]), logits.shape[0])[0]
+                scores = logits / temperature + noise
+            best = int(scores.argmax())
+            shortfall = float(scores[best] - scores[token_id]) * (temperature or 1.0)
+            assert shortfall <= logit_margin, (
+                f"{request.request_id}: output {index} (position {position}) is {token_id}, whose logit is "
+                f"{shortfall:.4f} below the dense choice {best} (margin {logit_margin})"
+            )
+            logprob = float(torch.log_softmax(logits.float(), dim=-1)[token_id])
+            assert abs(request.logprobs[index] - logprob) <= logprob_atol, (request.request_id, index, logprob)
+            exact += token_id == best
+        return exact
 
 
 def greedy() -> Sampling:

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from gpu_worker import sampling
-from gpu_worker.sampling import GREEDY, SampledRows, SamplingParams, choose, gumbel_noise, noise_key, sample
+from gpu_worker.sampling import (
+    GREEDY,
+    SampledRows,
+    SamplingParams,
+    choose,
+    gumbel_noise,
+    noise_key,
+    sample,
+    sample_rows,
+)
 from devices import DEVICE
 
 CUDA = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
@@ -115,6 +124,20 @@ def test_the_hash_gives_the_same_bits_for_python_ints_and_int64_tensors():
     hashed = sampling._mix32(torch.tensor(values, dtype=torch.int64))
     assert hashed.tolist() == [sampling._mix32(value) for value in values]
     assert len(set(hashed.tolist())) == len(values) and int(hashed.max()) < 1 << 32
+
+
+@pytest.mark.parametrize("vocab_size", [1, 7, 2048])
+def test_every_row_computed_both_ways_chooses_what_sample_chooses(vocab_size):
+    """`sample_rows` (no host-side branch: a CUDA graph's) against `sample` over a mixed batch, on the tests' device."""
+    logits = (4 * torch.randn(len(PARAMS), vocab_size, generator=torch.Generator().manual_seed(vocab_size))).to(DEVICE)
+    temperatures = torch.tensor([p.temperature for p in PARAMS], device=DEVICE)
+    keys = torch.tensor([noise_key(p.seed, n) if p.temperature else 0 for p, n in zip(PARAMS, POSITIONS)], device=DEVICE)
+    expected = sample(logits, batch_of(PARAMS, POSITIONS, DEVICE))
+    actual = sample_rows(logits, temperatures, keys)
+    assert torch.equal(actual[0], expected[0])
+    torch.testing.assert_close(actual[1], expected[1], atol=0, rtol=0)
+    greedy_only = sample_rows(logits, torch.zeros_like(temperatures), keys)
+    assert torch.equal(greedy_only[0], logits.argmax(dim=-1))
 
 
 def test_chunking_over_rows_changes_nothing(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.staging import Staging
+from gpu_worker.staging import ALIGN_BYTES, Staging
 from devices import DEVICE
 
 CPU = torch.device("cpu")
@@ -47,10 +47,26 @@ def test_every_array_round_trips_in_one_buffer_with_aligned_starts():
     arrays = stage_a_step(staging, table)
     staging.to(CPU)
     check_the_step(arrays, CPU)
-    assert all(array.offset % 8 == 0 for array in arrays)
-    assert staging.num_bytes == 24 + 16 + 8 + 0 + 48 + 8 + 24
+    assert all(array.offset % ALIGN_BYTES == 0 for array in arrays)
+    assert staging.num_bytes == 32 + 16 + 16 + 0 + 48 + 16 + 32
     first = arrays[0].tensor
     assert all(array.tensor.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for array in arrays)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 16, 17])
+@pytest.mark.parametrize("num_reqs", [1, 2, 3, 4])
+def test_every_array_of_a_step_starts_16_byte_aligned(num_tokens, num_reqs):
+    """Triton specialises on 16-byte alignment: a step's arrays must be aligned whatever its counts."""
+    staging = Staging()
+    arrays = [
+        staging.add(list(range(num_tokens)), torch.int64),  # token ids, as the runner stages them
+        staging.add(list(range(num_reqs + 1)), torch.int32),  # query_start_loc
+        staging.add([1] * num_reqs, torch.int32),  # seq_lens
+        staging.add(list(range(num_reqs)), torch.int64),  # block-table rows
+        staging.add([0.5] * num_reqs, torch.float32),
+    ]
+    staging.to(CPU)
+    assert all(array.tensor.data_ptr() % 16 == 0 for array in arrays), [array.offset for array in arrays]
 
 
 def test_table_rows_are_read_when_moved_and_kept_from_then_on():

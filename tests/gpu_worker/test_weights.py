@@ -1,7 +1,7 @@
 """The checkpoint path: small safetensors checkpoints in the transformers layout, written here, loaded and run.
 
 Every tensor is placed or the load is refused naming it; `test_architectures.py` checks what the loaded
-decoder computes against transformers itself.
+decoder computes against transformers itself. At the end: the generator of the seeded random weights.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ import json
 
 import pytest
 import torch
+from devices import DEVICE
 from e2e_support import DenseOracle, start_stack, stop_stack
 from safetensors.torch import save_file
 
-from gpu_worker.model_config import ModelConfig, resolve_model
-from gpu_worker.weights import checkpoint_shapes, load_safetensors
+from gpu_worker import weights as weights_module
+from gpu_worker.model_config import BUILTIN_MODELS, ModelConfig, resolve_model
+from gpu_worker.weights import checkpoint_shapes, load_safetensors, normal_draws, random_weights
 
 CONFIG = ModelConfig("ckpt", vocab_size=320, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, rope_theta=50000.0)  # fmt: skip
@@ -205,3 +207,34 @@ def test_a_worker_serving_the_checkpoint_matches_the_dense_pass(tmp_path):
     finally:
         failures = stop_stack(stack, processes)
         assert not failures, "\n\n".join(failures)
+
+
+CPU = torch.device("cpu")
+
+
+def test_random_draws_are_standard_normal_and_a_function_of_seed_stream_and_index(monkeypatch):
+    drawn = normal_draws((999, 1001), 5, 0, CPU)  # an odd count: the last Box-Muller pair is cut
+    assert drawn.shape == (999, 1001) and drawn.dtype == torch.float32
+    assert abs(float(drawn.mean())) < 0.005 and abs(float(drawn.std()) - 1) < 0.005
+    assert float((drawn.abs() < 1).float().mean()) == pytest.approx(0.6827, abs=0.003)
+    assert torch.equal(drawn, normal_draws((999, 1001), 5, 0, CPU))
+    monkeypatch.setitem(weights_module.DRAW_CHUNKS, "cpu", 777)  # chunks change nothing
+    assert torch.equal(drawn, normal_draws((999, 1001), 5, 0, CPU))
+    assert torch.equal(drawn.view(-1)[:5000], normal_draws((5000,), 5, 0, CPU))  # nor does the shape
+    for other in (normal_draws((999, 1001), 6, 0, CPU), normal_draws((999, 1001), 5, 1, CPU),
+                  normal_draws((999, 1001), 5 + (1 << 32), 0, CPU)):  # fmt: skip
+        assert abs(float(torch.corrcoef(torch.stack([drawn.view(-1), other.view(-1)]))[0, 1])) < 0.005
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_a_gpu_draws_the_weights_a_cpu_draws():
+    config = BUILTIN_MODELS["small"]
+    on_cpu = random_weights(config, 3, torch.float32, CPU)
+    on_gpu = random_weights(config, 3, torch.float32, torch.device("cuda"))
+    assert on_gpu.embed_tokens.device.type == "cuda"
+    pairs = [(on_cpu.embed_tokens, on_gpu.embed_tokens), (on_cpu.norm, on_gpu.norm)]
+    for cpu_layer, gpu_layer in zip(on_cpu.layers, on_gpu.layers):
+        pairs += [(getattr(cpu_layer, name), getattr(gpu_layer, name)) for name in ("q_proj", "down_proj")]
+    for cpu_tensor, gpu_tensor in pairs:
+        torch.testing.assert_close(gpu_tensor.cpu(), cpu_tensor, rtol=1e-5, atol=1e-6)

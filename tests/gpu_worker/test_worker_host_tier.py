@@ -16,9 +16,13 @@ import pytest
 import torch
 from devices import DEVICE
 from e2e_support import DenseOracle, start_stack, stop_stack
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
-from gpu_worker.host_tier import HostKVBuffer, consecutive_runs
+from gpu_worker.host_tier import (
+    CopyChunk, HostKVBuffer, OffloadQueue, consecutive_runs, copy_plan, copy_runs, pin_host_memory,
+)  # fmt: skip
 from gpu_worker.memory_budget import HostMemoryError, available_host_bytes, check_host_memory, host_tier_bytes
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import BUILTIN_MODELS
@@ -291,13 +295,248 @@ def test_the_host_memory_check_counts_full_attention_layers_and_refuses_a_tier_p
         check_host_memory(config, pool, torch.float32, 3 * per_block + 1)
 
 
-def test_available_host_memory_is_read_from_meminfo(tmp_path):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:    250 kB\n")
-    assert available_host_bytes(str(meminfo)) == 250 * 1024
-    assert available_host_bytes(str(tmp_path / "missing")) is None
+def fake_host(tmp_path, meminfo_kib: int | None, proc_cgroup: str, files: dict[str, str]) -> dict[str, str]:
+    """A /proc/meminfo, a /proc/self/cgroup and cgroup files under a fake /sys/fs/cgroup; the paths to read."""
+    tmp_path.mkdir(exist_ok=True)
+    paths = {"meminfo": tmp_path / "meminfo", "proc_cgroup": tmp_path / "cgroup", "cgroup_root": tmp_path / "fs"}
+    if meminfo_kib is not None:
+        paths["meminfo"].write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {meminfo_kib} kB\n")
+    paths["proc_cgroup"].write_text(proc_cgroup)
+    for name, text in files.items():
+        path = paths["cgroup_root"] / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return {name: str(path) for name, path in paths.items()}
+
+
+def test_available_host_memory_is_meminfo_where_no_cgroup_limits_it(tmp_path):
+    assert available_host_bytes(**fake_host(tmp_path, 250, "0::/\n", {"memory.max": "max\n"})) == 250 * 1024
+    assert available_host_bytes(**fake_host(tmp_path / "none", None, "", {})) is None
+
+
+def test_a_cgroup_v2_limit_and_its_ancestors_bound_the_available_host_memory(tmp_path):
+    """The worker's cgroup leaves 700 + 100 reclaimable bytes; its parent's limit leaves 500: 500."""
+    files = {
+        "kube/pod/memory.max": "2000\n", "kube/pod/memory.current": "1300\n",
+        "kube/pod/memory.stat": "anon 1000\ninactive_file 100\nactive_file 200\n",
+        "kube/memory.max": "10000\n", "kube/memory.current": "9500\n",
+        "memory.max": "max\n",
+    }  # fmt: skip
+    paths = fake_host(tmp_path, 4_000_000, "0::/kube/pod\n", files)
+    assert available_host_bytes(**paths) == 500
+    files["kube/memory.max"] = "max\n"
+    assert available_host_bytes(**fake_host(tmp_path / "b", 4_000_000, "0::/kube/pod\n", files)) == 800
+    # In a cgroup namespace the process's own cgroup is the mount's root: its path is not there.
+    root_only = {"memory.max": "3000\n", "memory.current": "1000\n"}
+    assert available_host_bytes(**fake_host(tmp_path / "c", 4_000_000, "0::/elsewhere\n", root_only)) == 2000
+
+
+def test_a_cgroup_v1_memory_limit_bounds_the_available_host_memory(tmp_path):
+    proc_cgroup = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n"
+    files = {
+        "memory/docker/abc/memory.limit_in_bytes": "4096\n", "memory/docker/abc/memory.usage_in_bytes": "1024\n",
+        "memory/docker/abc/memory.stat": "cache 600\ntotal_inactive_file 24\n",
+        "memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "5000\n",
+    }  # fmt: skip
+    assert available_host_bytes(**fake_host(tmp_path, 4_000_000, proc_cgroup, files)) == 3096
+    assert available_host_bytes(**fake_host(tmp_path / "b", 1, proc_cgroup, files)) == 1024  # meminfo is lower
 
 
 def test_consecutive_host_blocks_cross_as_one_run():
     assert consecutive_runs([]) == []
     assert consecutive_runs([4, 5, 6, 2, 3, 9, 8]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1), (6, 8, 1)]
+
+
+def test_a_batch_moves_in_chunks_of_runs():
+    assert copy_plan([], 4) == []
+    assert copy_plan([0, 1, 2, 3, 10, 12, 13], 4) == [
+        CopyChunk(0, 4, [(0, 0, 4)]), CopyChunk(4, 7, [(0, 10, 1), (1, 12, 2)])
+    ]  # fmt: skip
+    # A run longer than a chunk is split at the chunk's end; scattered ids are one run each.
+    assert copy_plan([5, 6, 7, 8, 9, 2, 40, 41], 3) == [
+        CopyChunk(0, 3, [(0, 5, 3)]), CopyChunk(3, 6, [(0, 8, 2), (2, 2, 1)]), CopyChunk(6, 8, [(0, 40, 2)])
+    ]  # fmt: skip
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op a block of code runs, with the bytes of each tensor it creates (an output that shares no
+    storage with the op's arguments, `out=` included) and the number of tensors it copies (foreach ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[tuple[str, int]] = []
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in storages:
+                self.created.append((str(func), t.untyped_storage().nbytes()))
+        self.calls.append((str(func), len(args[0]) if isinstance(args[0], (list, tuple)) else 1))
+        return out
+
+
+def tier_sides(num_blocks: int, num_host_blocks: int, chunk_blocks: int):
+    """Three layers of random device caches, a host buffer of random blocks whose device buffer holds two slots
+    of `chunk_blocks` blocks, and their contents before any copy."""
+    shape, num_layers = (2, 4, 2, 8), 3
+    generator = torch.Generator().manual_seed(3)
+    caches = [torch.randn((num_blocks, *shape), generator=generator) for _ in range(num_layers)]
+    block_bytes = num_layers * 2 * 4 * 2 * 8 * 4
+    host = HostKVBuffer(num_host_blocks, num_layers, shape, torch.float32, CPU, 2 * chunk_blocks * block_bytes)
+    host.blocks.copy_(torch.randn(host.blocks.shape, generator=generator))
+    return caches, host, [cache.clone() for cache in caches], host.blocks.clone(), block_bytes
+
+
+def test_a_large_batch_moves_exactly_in_chunks_through_a_bounded_temporary():
+    caches, host, device_before, host_before, block_bytes = tier_sides(80, 64, chunk_blocks=4)
+    assert host.chunk_blocks == 4 and host.device_buffer_bytes == 0  # a CPU has no device buffer
+    rng = random.Random(4)
+    offloads = sorted(zip(rng.sample(range(80), 40), [*range(20, 30), *rng.sample(range(30, 64), 30)]),
+                      key=lambda pair: pair[1])  # fmt: skip
+    onloads = sorted(zip(rng.sample(range(80), 40), rng.sample(range(64), 40)), key=lambda pair: pair[1])
+
+    with OpLog() as log:
+        for pairs, move in ((offloads, host.offload), (onloads, host.onload)):
+            move(caches, torch.tensor([d for d, _ in pairs]), [h for _, h in pairs])
+
+    # Nothing scales with the batch: on a CPU, one layer's blocks of one chunk at a time (on CUDA the slots).
+    layer_block_bytes = block_bytes // len(caches)
+    assert max(num_bytes for _, num_bytes in log.created) == host.chunk_blocks * layer_block_bytes, log.created
+    expected_host = host_before.clone()
+    for device_block_id, host_block_id in offloads:
+        expected_host[host_block_id] = torch.stack([cache[device_block_id] for cache in device_before])
+    expected_device = [cache.clone() for cache in device_before]
+    for device_block_id, host_block_id in onloads:
+        for layer, cache in enumerate(expected_device):
+            cache[device_block_id] = expected_host[host_block_id, layer]
+    assert torch.equal(host.blocks, expected_host)
+    assert all(torch.equal(got, want) for got, want in zip(caches, expected_device))
+
+
+def test_each_chunk_crosses_in_one_call_one_transfer_per_run():
+    """The CUDA path's transfers, on host tensors: host blocks 0..3 in one copy; 10, then 12..13, in two."""
+    host_blocks = torch.randn((16, 3, 2, 4, 2, 8))
+    rows = torch.randn((4, 3, 2, 4, 2, 8))
+    [first_chunk, second_chunk] = copy_plan([0, 1, 2, 3, 10, 12, 13], 4)
+    for chunk, ids in ((first_chunk, [0, 1, 2, 3]), (second_chunk, [10, 12, 13])):
+        before = host_blocks.clone()
+        with OpLog() as log:
+            copy_runs(host_blocks, rows[: len(ids)], chunk.runs, to_host=True)
+        assert [count for op, count in log.calls if "_foreach_copy_" in op] == [len(chunk.runs)]
+        assert torch.equal(host_blocks[ids], rows[: len(ids)])
+        untouched = [block for block in range(16) if block not in ids]
+        assert torch.equal(host_blocks[untouched], before[untouched])
+        loaded = torch.zeros_like(rows[: len(ids)])
+        copy_runs(host_blocks, loaded, chunk.runs, to_host=False)
+        assert torch.equal(loaded, host_blocks[ids])
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_an_onload_waits_for_the_last_running_offload_of_the_blocks_it_reads_only():
+    queue = OffloadQueue()
+    first, second, third = FakeEvent(), FakeEvent(), FakeEvent()
+    queue.push(first, [1, 2])
+    queue.push(second, [3])
+    queue.push(third, [2, 7])
+    assert queue.last_writer([5, 6]) is None  # reads nothing an offload still writes
+    assert queue.last_writer([3]) is second
+    assert queue.last_writer([1]) is first
+    assert queue.last_writer([1, 2]) is third  # the later one: waiting for it waits for both
+    first.done = True
+    assert queue.last_writer([1]) is None and len(queue) == 2  # retired
+    second.done = third.done = True
+    queue.retire()
+    assert len(queue) == 0
+
+
+def test_finished_offloads_are_retired_as_new_ones_arrive():
+    """Under steady pressure the queue holds the batches still running, not every block ever offloaded."""
+    queue = OffloadQueue()
+    events = []
+    for step in range(100):
+        if events:
+            events[-1].done = True  # each batch finishes during the next step
+        events.append(FakeEvent())
+        queue.push(events[-1], [step])
+    assert len(queue) == 1 and queue.last_writer([98]) is None and queue.last_writer([99]) is events[-1]
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s page-locking calls, recorded."""
+
+    class cudaError:  # noqa: N801 - the binding's name
+        success = 0
+
+    def __init__(self, error: int = 0) -> None:
+        self.error = error
+        self.calls: list[tuple] = []
+
+    def cudaHostRegister(self, address: int, num_bytes: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", address, num_bytes, flags))
+        return self.error
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", address))
+        return 0
+
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return "out of memory"
+
+
+def test_the_host_buffer_is_pinned_at_its_exact_size(monkeypatch):
+    """A tier of 3 blocks of 2 layers of 20,480 bytes: 122,880 bytes locked, not the 131,072 of the power of two
+    a pinned allocation rounds up to."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    blocks = torch.empty((3, 2, 2, 16, 4, 40), dtype=torch.float32)
+    unpin = pin_host_memory(blocks)
+    assert cudart.calls == [("register", blocks.data_ptr(), 122_880, 0)]
+    unpin()
+    assert cudart.calls[-1] == ("unregister", blocks.data_ptr())
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))
+    with pytest.raises(RuntimeError, match="could not page-lock 122880 bytes of host memory: out of memory"):
+        pin_host_memory(blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_on_cuda_the_pinned_buffer_is_the_size_the_host_memory_check_counts():
+    runner = make_runner(device=torch.device("cuda"))
+    blocks = runner.host_kv.blocks
+    assert blocks.is_pinned() and blocks.untyped_storage().nbytes() == runner.host_kv_cache_bytes
+    assert runner.host_kv_cache_bytes == host_tier_bytes(runner.model.config, runner.pool, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_on_cuda_a_large_batch_takes_no_device_memory_beyond_the_buffer():
+    shape, num_layers, num_blocks = (2, 16, 8, 128), 8, 256  # 1 MiB per block over the layers
+    cuda = torch.device("cuda")
+    caches = [torch.randn((num_blocks, *shape), device=cuda) for _ in range(num_layers)]
+    before = [cache.cpu() for cache in caches]
+    host = HostKVBuffer(num_blocks, num_layers, shape, torch.float32, cuda, device_buffer_bytes=32 << 20)
+    assert host.chunk_blocks == 16
+    ids = list(range(0, num_blocks, 2)) + list(range(1, num_blocks, 2))  # device blocks, to host blocks 0..255
+    device_ids = torch.tensor(ids, device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    allocated = torch.cuda.memory_allocated()
+    host.offload(caches, device_ids, range(num_blocks))
+    host.onload(caches, device_ids.flip(0), range(num_blocks))  # host block r into device block ids[255 - r]
+    host.synchronize()
+    assert torch.cuda.max_memory_allocated() - allocated < 1 << 20  # the old snapshot took 2 x 256 MiB
+    for layer in range(num_layers):
+        assert torch.equal(host.blocks[:, layer], before[layer][ids])
+        assert torch.equal(caches[layer][ids[::-1]].cpu(), before[layer][ids])

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from devices import DEVICE  # "cuda" when torch has a GPU, else "cpu" (kernels in the interpreter)
 from sm90_support import compile_for_sm90
 
-from kernels.copy_blocks import _MAX_CHUNK, _copy_blocks_kernel, copy_blocks, copy_blocks_reference
+from kernels.copy_blocks import _MAX_CHUNK, _copy_blocks_kernel, _layer_table, copy_blocks, copy_blocks_reference
 
 # Kernels run on DEVICE; bad-argument tests stay on the CPU: they raise before any launch.
 
@@ -94,6 +99,8 @@ BAD_CALLS = [
     ("kv_caches", "non-contiguous block", lambda c, cp: ([layer.transpose(3, 4) for layer in c], cp)),
     ("kv_caches", "layer shape", lambda c, cp: ([c[0], c[1][:, :, :4]], cp)),
     ("kv_caches", "layer dtype", lambda c, cp: ([c[0], c[1].view(torch.int16)], cp)),
+    ("kv_caches", "layer off a 16-byte boundary",
+     lambda c, cp: ([c[0], torch.zeros(c[1].numel() + 1, dtype=c[1].dtype)[1:].view(c[1].shape)], cp)),
     ("copies", "int32", lambda c, cp: (c, cp.int())),
     ("copies", "1-D", lambda c, cp: (c, cp[0])),
     ("copies", "three columns", lambda c, cp: (c, torch.cat([cp, cp[:, :1]], dim=1))),
@@ -113,9 +120,57 @@ def test_bad_arguments_raise_value_error_naming_the_argument(impl, name, problem
     assert not any(layer.any() for layer in layers)
 
 
+def test_the_layer_table_is_built_once_per_set_of_caches() -> None:
+    """A call copies nothing from the host: the table of layer addresses is kept on the device."""
+    layers = [random_bits((4, 2, 8, 2, 16), torch.float16, seed=layer).to(DEVICE) for layer in range(2)]
+    before = _layer_table.cache_info().misses
+    for copies in ([[1, 2]], [[3, 0]], [[0, 1], [2, 3]]):
+        copy_blocks(layers, torch.tensor(copies, device=DEVICE))
+    assert _layer_table.cache_info().misses == before + 1
+    table = _layer_table(layers[0].device, tuple(layer.data_ptr() for layer in layers))
+    assert table.device == layers[0].device and table.tolist() == [layer.data_ptr() for layer in layers]
+
+
 def test_kernel_compiles_for_sm90(tmp_path) -> None:
     """The interpreter accepts what a GPU compiler refuses."""
     signature = {"layer_ptrs_ptr": "*i64", "first_layer_ptr": "*i16", "copies_ptr": "*i64"}
     signature.update(block_stride="i64", block_numel="i32")
     variants = [{"CHUNK": _MAX_CHUNK}, {"CHUNK": 16, "block_numel": 1}]
     compile_for_sm90(_copy_blocks_kernel, signature, variants, tmp_path)
+
+
+LOAD_WIDTHS = """
+import re
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from kernels import copy_blocks as module
+
+kernel, target = module._copy_blocks_kernel, GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+
+def compile_instead(*args, grid, warmup, **kwargs):  # what JITFunction.run compiles; nothing runs
+    bound, specialization, options = create_function_from_signature(kernel.signature, kernel.params, backend)(
+        *args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    ptx = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    print(sorted(set(re.findall(r"(?:ld|st)[.]global[.][.\\w]*", ptx.asm["ptx"]))))
+
+kernel.run = compile_instead
+module.copy_blocks([torch.zeros((4, 2, 16, 8, 128), dtype=torch.bfloat16)] * 2, torch.tensor([[0, 1]]))
+"""
+
+
+def test_blocks_move_in_16_byte_loads_on_sm90(tmp_path) -> None:
+    """The layer pointer comes from memory: without the launcher's alignment promise the loads are 2 bytes wide."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    result = subprocess.run([sys.executable, "-c", LOAD_WIDTHS], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    widths = result.stdout.splitlines()[-1]
+    # bf16 blocks: the cache reads and writes are 128-bit vectors (the 8-byte loads read the table and the ids).
+    assert "'ld.global.v4.b32'" in widths and "'st.global.v4.b32'" in widths, widths
+    assert "b16" not in widths, widths

@@ -8,6 +8,9 @@
   compiled kernels; each serving launch's key (argument specialisation + options) must be one
   the warm-up made. A per-step size Triton specialised (num_reqs = 1, a table width divisible
   by 16, ...) would show up here as a key the warm-up never made.
+  The sweep's small inputs are views of a `Staging` buffer laid out as the runner lays out a
+  step's (token ids, then query starts and lengths; block-move ids, then the copies), so a
+  pointer that staging leaves without Triton's 16-byte alignment for some counts shows up too.
 - Runs: the warm-up runs end to end on the test device (in the interpreter on a CPU); on a
   GPU, serving-shaped batches after it add nothing to the kernels' compile caches.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_worker.staging import Staging
 from kernels import copy_blocks as copy_blocks_module
 from kernels import paged_attention as paged_attention_module
 from kernels import slot_mapping as slot_mapping_module
@@ -104,7 +108,8 @@ def test_kernel_shapes_are_checked():
 
 def serve(shapes: KernelShapes, device: torch.device) -> None:
     """The launches of a sweep of batches, made as the worker makes them (contiguous activations,
-    block tables gathered from wider tables, one cache per layer of the pool's block shape)."""
+    block tables gathered from wider tables, one cache per layer of the pool's block shape, small
+    inputs staged)."""
     for block_size, window in shapes.groups:
         max_blocks = -(-shapes.max_model_len // block_size)
         for width in sorted({1, 2, 16, 17, max(1, max_blocks // 2), max_blocks} & set(range(1, max_blocks + 1))):
@@ -118,13 +123,17 @@ def serve_batch(
 ) -> None:
     num_reqs, num_tokens = len(query_lens), sum(query_lens)
     seq_len = width * block_size
-    num_blocks = num_reqs * width + 1
+    num_blocks = num_reqs * width + 4
     wide = torch.arange(num_reqs * (width + 3), dtype=torch.int32).view(num_reqs, width + 3)
     wide = (wide - 3 * torch.arange(num_reqs, dtype=torch.int32)[:, None]).to(device)  # row r: r * width + b
     table = wide[:, :width].index_select(0, torch.arange(num_reqs, device=device))
-    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    step = Staging()  # the runner's order: token ids, query starts, lengths
+    step.add([0] * num_tokens, torch.int64)
+    staged_starts = step.add([0, *torch.tensor(query_lens).cumsum(0).tolist()], torch.int32)
+    staged_lengths = step.add([seq_len] * num_reqs, torch.int32)
+    step.to(device)
+    starts, seq_lens = staged_starts.tensor, staged_lengths.tensor
     positions = torch.cat([torch.arange(seq_len - q, seq_len) for q in query_lens]).to(device)
-    seq_lens = torch.full((num_reqs,), seq_len, dtype=torch.int32, device=device)
     slot_mapping(table, starts, positions, block_size)
     slots = slot_mapping_reference(table, starts, positions, block_size)  # a capturing child computes nothing
     cache_shape = (num_blocks, 2, block_size, shapes.num_kv_heads, shapes.head_dim)
@@ -134,7 +143,14 @@ def serve_batch(
     store_kv(key, torch.zeros_like(key), caches[0], slots)
     query = torch.zeros((num_tokens, shapes.num_q_heads, shapes.head_dim), dtype=shapes.dtype, device=device)
     paged_attention(query, caches[0], table, starts, seq_lens, shapes.head_dim**-0.5, window)
-    copy_blocks(caches, torch.tensor([[0, num_blocks - 1]], device=device))
+    moves = Staging()  # the runner's order: offloaded and onloaded device ids (one or two each), then the copies
+    num_copies = 1 + num_tokens % 2
+    moves.add([1] * num_copies, torch.int64)
+    moves.add([2] * num_reqs, torch.int64)
+    copies = [block_id for i in range(num_copies) for block_id in (i, num_blocks - 1 - i)]
+    staged_copies = moves.add(copies, torch.int64, (num_copies, 2))
+    moves.to(device)
+    copy_blocks(caches, staged_copies.tensor)
 
 
 def compiled_kernels() -> int:
