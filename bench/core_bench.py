@@ -69,12 +69,11 @@ from kv_manager_service.core import (
 from kv_manager_service.core import hashing
 from kv_manager_service.core.block_pool import BlockPool
 from kv_tooling.replay import ReplayConfig, replay
-from kv_tooling.workload import TokenExpander, load_trace
+from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, load_trace
 
 from bench_stats import busy_machine_warning, fmt, replay_progress_printer  # bench/ is the script's own folder
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT / "kv_tooling" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16
 VOCAB_SIZE = 150_000
 

@@ -61,11 +61,10 @@ from kv_tooling.replay import SampledTokenWorker
 from kv_manager_service.core import BlockHasher, BlockRemoved, BlockStored, KVCacheConfig, KVCacheManager
 from kv_manager_service.mirror.lookup import ReplicaPrefix
 from kv_manager_service.mirror.schema import Lease
-from kv_tooling.workload import TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
+from kv_tooling.workload import DEFAULT_TRACE, TRACE_BLOCK_SIZE, TokenExpander, TraceRecord, load_trace
 from reference_scheduler.scheduler import ReferenceScheduler, RequestTooLargeError, Sampling, SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT / "kv_tooling" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16  # the server's default pool: one full-attention group of 16-token blocks
 LEASE_TTL_S = 10.0  # the server's default --lease-ttl-s; the heartbeat beats 3 times per TTL
 KV_BYTES_PER_TOKEN = 131_072  # Llama-3-8B: 32 layers x K and V x 8 KV heads x 128 x 2 bytes

@@ -33,10 +33,9 @@ from bench_stats import command_line, replay_progress_printer
 from kv_tooling.replay import ReplayConfig, ReplayProgress, ReplayResult, replay
 from kv_manager_service.core import BlockStored, GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
 from kv_manager_service.shared.events import Tier
-from kv_tooling.workload import TokenExpander, load_trace
+from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT / "kv_tooling" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK_SIZE = 16
 TARGET_RATIO = 0.95
 

@@ -44,12 +44,11 @@ from kv_manager_service.client import (
     StepResult,
 )
 from kv_manager_service.shared.errors import FailedPreconditionError
-from kv_tooling.workload import TokenExpander, load_trace, scaled_length
+from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, load_trace, scaled_length
 from kvcache.v1 import kv_manager_pb2 as pb
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
 from reference_scheduler.scheduler import ReferenceScheduler, Sampling, SchedulerConfig
 
-TRACE_PATH = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 VOCAB_SIZE = 32000  # TokenExpander's default: sampled tokens come from the same range
 _VOCABULARY = range(VOCAB_SIZE)
 OK = AllocateStatus.OK
@@ -69,7 +68,7 @@ def trace_requests(
     max_num_tokens: int,
     index: int = 0,
     stride: int = 1,
-    path: Path = TRACE_PATH,
+    path: Path = DEFAULT_TRACE,
 ) -> list[RequestSpec]:
     """Records index, index + stride, ... of the Mooncake trace, scaled.
 
