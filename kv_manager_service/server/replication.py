@@ -211,7 +211,7 @@ class ReplicationListener:
     def __init__(self, member: GroupMember, host: str, port: int, tls: ServerTLS | None, tokens: TokenTable | None) -> None:
         self.member = member
         self.tokens = tokens
-        self._connections: set[_StandbyConnection] = set()
+        self.connections: set[_StandbyConnection] = set()  # open, each adding and removing itself
         loop = member.commit.loop
         context = replication_link.server_context(tls)
         self._server = asyncio.run_coroutine_threadsafe(
@@ -224,7 +224,7 @@ class ReplicationListener:
 
         async def close() -> None:
             self._server.close()
-            for connection in list(self._connections):
+            for connection in list(self.connections):
                 connection.close()
 
         asyncio.run_coroutine_threadsafe(close(), self.member.commit.loop).result()
@@ -258,12 +258,12 @@ class _StandbyConnection(replication_link.FrameProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.listener._connections.add(self)
+        self.listener.connections.add(self)
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self.listener._connections.discard(self)
+        self.listener.connections.discard(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         if self._sender is not None:
