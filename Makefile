@@ -36,6 +36,8 @@ run: setup
 	$(BIN)/kv-manager replay $(ARGS)
 
 # Tests run in up to 4 processes (pytest-xdist; 2 on a 2-core machine); skipped tests print their reason.
+# Heavy tests marked `thorough` are deselected unless HYPOTHESIS_PROFILE=thorough (as .ci/run sets) or
+# ARGS has a -m expression: `make test ARGS='-m thorough'` runs only them (tests/conftest.py).
 # The system packages they use are installed first when missing (tools/system-packages.sh).
 test: setup
 	tools/system-packages.sh

@@ -41,6 +41,7 @@ def gpu_check() -> Iterator[ModuleType]:
         del sys.modules[spec.name]
 
 
+@pytest.mark.thorough  # about 45 s
 def test_the_dry_run_takes_every_step_on_the_cpu_and_writes_every_figure(tmp_path) -> None:
     out = tmp_path / "check"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.thorough  # building the wheel takes 15-30 s
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = "kv_tooling/data/mooncake_synthetic_trace.jsonl"
 EXTRAS = ("torch", "triton", "matplotlib", "redis")  # the extras' packages

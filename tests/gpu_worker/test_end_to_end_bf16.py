@@ -32,7 +32,9 @@ MIN_EXACT = 0.9
 POOL = {"num_blocks": 256, "groups": [{"kind": "full_attention", "block_size": 16}]}
 CONFIGS = {"torch-small": ("torch", "small"), "triton-tiny": ("triton", "tiny"), "triton-small": ("triton", "small")}
 NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device: too slow interpreted")]
-PARAMS = [pytest.param(name, marks=NEEDS_CUDA if name == "triton-small" else ()) for name in CONFIGS]
+# Without CUDA the other two take 25-55 s each on the CPU: `thorough` only there (conftest.py).
+ON_CPU_THOROUGH = pytest.mark.thorough if DEVICE != "cuda" else ()
+PARAMS = [pytest.param(name, marks=NEEDS_CUDA if name == "triton-small" else ON_CPU_THOROUGH) for name in CONFIGS]
 
 
 @pytest.mark.parametrize("config", PARAMS)
