@@ -16,7 +16,8 @@ from kv_manager_service.shared.arg_types import fraction, positive_int
 from kv_tooling.cost_model import StepCostModel
 from kv_tooling import conversations
 from kv_tooling.demo_flags import add_demo_flags
-from kv_tooling.replay import ARRIVALS, ReplayConfig, ReplayProgress, ReplayResult, replay
+from kv_tooling.eviction_oracle import REFERENCE_ORDERS, NextUseOracle
+from kv_tooling.replay import ARRIVALS, ReplayConfig, ReplayProgress, ReplayResult, arrival_times_s, replay
 from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, load_trace
 
 
@@ -58,7 +59,7 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
         "--report-json", type=Path, metavar="PATH", help="also write the figures to PATH as one JSON object"
     )
     add_cost_model_flags(replay)
-    add_pool_flags(replay, default_num_blocks=100_000)
+    add_pool_flags(replay, default_num_blocks=100_000, reference_orders=REFERENCE_ORDERS)
 
     generator = commands.add_parser(
         "conversations",
@@ -139,6 +140,15 @@ def run_replay(args: argparse.Namespace) -> int:
     records = load_trace(args.trace, limit=args.requests)
     manager = KVCacheManager(config)
     expander = TokenExpander(scale=args.scale)
+    oracle = None
+    if args.eviction_policy in REFERENCE_ORDERS:
+        print(f"Hashing every prompt ahead for the {args.eviction_policy} order ...", file=sys.stderr)
+        queued = args.eviction_policy == "belady-queued"
+        oracle = NextUseOracle(
+            records, expander, manager.hasher,
+            arrival_times_s(records, args.arrivals, args.time_scale) if queued else None,
+        )  # fmt: skip
+        manager.pool.set_ranker(oracle.key)
     # Each parameter's flag is its name: --prefill-us-per-token sets prefill_us_per_token.
     cost_model = StepCostModel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StepCostModel)})
     replay_config = ReplayConfig(
@@ -166,7 +176,7 @@ def run_replay(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    result = replay(manager, records, expander, replay_config, progress=show)
+    result = replay(manager, records, expander, replay_config, progress=show, oracle=oracle)
     print_replay_report(result, manager.stats().num_evictions, with_tier=bool(config.num_host_blocks))
     if args.report_json is not None:
         report = {
@@ -176,6 +186,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "time_scale": args.time_scale,
             "num_blocks": config.num_blocks,
             "num_host_blocks": config.num_host_blocks,
+            "eviction_policy": args.eviction_policy or config.eviction_policy.value,
             "block_size": block_size,
             "token_budget": args.token_budget,
             "max_running": args.max_running,

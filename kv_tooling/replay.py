@@ -58,6 +58,7 @@ from typing import Callable, Literal, Mapping, Sequence
 from kv_manager_service.core import KVCacheManager, StepResult
 from kv_manager_service.shared.ops import AllocateOp, AllocateResult, AllocateStatus, FreeOp, Op
 from kv_tooling.cost_model import StepCostModel, StepWork
+from kv_tooling.eviction_oracle import NextUseOracle
 from kv_tooling.in_process import InProcessManager
 from kv_tooling.workload import TokenExpander, TraceRecord
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
@@ -253,6 +254,7 @@ class MeteredManager(InProcessManager):
         self.live: set[str] = set()
         self.num_prefix_hit_tokens = self.num_host_hit_tokens = self.num_readmission_hit_tokens = 0
         self.num_copied_blocks = 0  # offloads and onloads since the last `take_num_copied_blocks`
+        self.oracle: NextUseOracle | None = None  # told each request's first admission
 
     def step(self, ops: Sequence[Op], *, auto_key: bool = False) -> StepResult:
         result = super().step(ops, auto_key=auto_key)
@@ -267,6 +269,8 @@ class MeteredManager(InProcessManager):
                 else:
                     self.num_prefix_hit_tokens += op_result.num_computed_tokens
                     self.num_host_hit_tokens += self._host_hit_tokens(op_result)
+                    if self.oracle is not None:
+                        self.oracle.admitted(request_index(op.request_id))
         if result.delta is not None:
             self.num_copied_blocks += len(result.delta.offloads) + len(result.delta.onloads)
         return result
@@ -307,8 +311,11 @@ def replay(
     expander: TokenExpander,
     config: ReplayConfig = ReplayConfig(),
     progress: Callable[[ReplayProgress], None] | None = None,
+    oracle: NextUseOracle | None = None,
 ) -> ReplayResult:
-    """Run every record to completion through `manager`; returns what happened.
+    """Run every record to completion through `manager`; returns what happened. With `oracle`, keyed
+    evictions (`BlockPool.set_ranker(oracle.key)`) read the trace ahead: it is told each first admission
+    and the clock after each step.
 
     Mutates `manager` (its requests, pool, cache and step ids); on return no
     request of this replay is live and every step is acked. Raises ValueError
@@ -319,6 +326,7 @@ def replay(
     cost_model = config.cost_model
     copy_block_size = manager.config.groups[0].block_size  # the cost model prices one full-attention group
     metered = MeteredManager(manager)
+    metered.oracle = oracle
     worker = MeteredWorker(expander.vocab_size)
     scheduler = ReferenceScheduler(metered, worker, SchedulerConfig(config.token_budget, config.max_num_running))
     worker.requests = scheduler.sequences
@@ -341,7 +349,7 @@ def replay(
             and len(scheduler.waiting) < config.max_num_running - len(scheduler.running)
         ):
             record = records[num_added]
-            request_id = f"replay-{num_added}"  # its trace index is its sampling seed
+            request_id = f"replay-{num_added}"  # its trace index (request_index) is its sampling seed
             prompt = expander.prompt_token_ids(record)
             num_prompt_tokens += len(prompt)
             scheduler.add(request_id, prompt, expander.output_length(record), Sampling(seed=num_added))
@@ -369,6 +377,8 @@ def replay(
         )
         for seed in work.first_token_seeds:
             first_token_s[seed] = clock_s
+        if oracle is not None:
+            oracle.advance(clock_s)
         for request in finished:
             seed = request.sampling.seed
             assert not math.isnan(first_token_s[seed]), f"request {seed} finished without a first token"
@@ -421,6 +431,11 @@ def replay(
         tpot_ms_p50=percentile(tpot_s, 50) * 1e3,
         **tier_counts,
     )
+
+
+def request_index(request_id: str) -> int:
+    """The trace index of a replay request id, `replay-N` (not a re-admission's `replay-N#K`)."""
+    return int(request_id.rpartition("-")[2])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

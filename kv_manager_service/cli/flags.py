@@ -6,15 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from kv_manager_service.shared.arg_types import non_negative_int, positive_int
-from kv_manager_service.shared.config import GroupKind, GroupSpec, KVCacheConfig
+from kv_manager_service.shared.config import EvictionPolicy, GroupKind, GroupSpec, KVCacheConfig
 from kv_manager_service.shared.hash_types import HashAlgorithm
 
 
-def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> None:
-    """Flags that shape the pool; `build_config` turns them into a KVCacheConfig."""
+def add_pool_flags(
+    parser: argparse.ArgumentParser, default_num_blocks: int, reference_orders: Mapping[str, str] = {}
+) -> None:
+    """Flags that shape the pool; `build_config` turns them into a KVCacheConfig. `reference_orders`
+    (name: help) are more --eviction-policy choices that the caller handles itself (the replay's oracles)."""
     group = parser.add_argument_group("pool")
     group.add_argument(
         "--config",
@@ -44,6 +47,14 @@ def add_pool_flags(parser: argparse.ArgumentParser, default_num_blocks: int) -> 
         help="blocks that requests' retention TTLs may pin at once, all pins together (docs/retention.md); "
         "a pin takes what room is left, and a prompt that alone fills more is refused; 0 turns pins off "
         "(default: the config file's retention_max_pinned_blocks, else a tenth of --num-blocks)",
+    )  # fmt: skip
+    group.add_argument(
+        "--eviction-policy", choices=[p.value for p in EvictionPolicy] + list(reference_orders), metavar="POLICY",
+        help="which free cached block is reused first: lru, the least recently used (vLLM's order); "
+        "frequency, the one whose hash was seen least often, in a history of 4 hashes per block that "
+        "outlives eviction, least recently used among equals"
+        + "".join(f"; {name}, {text}" for name, text in reference_orders.items())
+        + ". Retention priorities come first either way (default: the config file's eviction_policy, else lru)",
     )  # fmt: skip
     parser.set_defaults(default_num_blocks=default_num_blocks)
 
@@ -126,6 +137,8 @@ def build_config(args: argparse.Namespace, **overrides: Any) -> KVCacheConfig:
         values["num_host_blocks"] = args.num_host_blocks
     if args.retention_max_pinned_blocks is not None:
         values["retention_max_pinned_blocks"] = args.retention_max_pinned_blocks
+    if args.eviction_policy in {p.value for p in EvictionPolicy}:  # else a reference order its command handles
+        values["eviction_policy"] = args.eviction_policy
     values.update(overrides)
     return KVCacheConfig.from_dict(values)
 

@@ -7,7 +7,7 @@ takes and returns (ops, results, events, config, errors) live in
 re-exported here for code that drives the core in-process.
 """
 
-from kv_manager_service.shared.config import GroupKind, GroupSpec, KVCacheConfig
+from kv_manager_service.shared.config import EvictionPolicy, GroupKind, GroupSpec, KVCacheConfig
 from kv_manager_service.shared.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -80,6 +80,7 @@ __all__ = [
     "KVLossCause",
     "KVLossCount",
     "InvalidArgumentError",
+    "EvictionPolicy",
     "KVCacheConfig",
     "KVCacheError",
     "KVCacheManager",

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
+from kv_manager_service.shared.config import EvictionPolicy
 from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kv_manager_service.core.hashing import BlockHash
 
 if TYPE_CHECKING:
     from kv_manager_service.core.host_tier import HostTier
+
+
+FREQUENCY_CLASSES = 4
+"""Under frequency: a free block's hash seen once, twice, three times, or four times or more."""
+
+HISTORY_PER_BLOCK = 4
+"""Under frequency: the hashes the history remembers, per block of the pool."""
 
 
 class BlockPool:
@@ -27,16 +36,34 @@ class BlockPool:
     keeping the batch order. A cached free block stays findable until it is
     popped for reuse: only then does it lose its hash (lazy eviction).
 
-    Retention priorities (docs/retention.md) cut the queue into segments.
-    Head to tail it holds the unhashed blocks and the cached blocks of
-    priority 0 (the whole queue, exactly as above, while no block has a
-    priority), then the free cached blocks of each priority, lowest first,
-    each segment in LRU order. So a free block of priority p is evicted only
-    after every free block of a lower priority; a freed block goes to the end
-    of its priority's segment. Only a cached block has a priority > 0.
+    Segments. A freed cached block gets a segment key, and the queue is cut
+    into segments by key: head to tail the unhashed blocks and the cached
+    blocks of key 0, then the free cached blocks of each key, lowest first,
+    each segment in LRU order. So a free block is evicted only after every
+    free block of a lower key; a freed block goes to the end of its key's
+    segment. The key is fixed when the block is freed:
+
+    - lru (the default): its retention priority (docs/retention.md). While no
+      block has one, the whole queue is the one segment above, vLLM's order.
+    - frequency: its retention priority times FREQUENCY_CLASSES, plus how
+      often its hash was seen (cached after a computation, or hit), less
+      one, capped at FREQUENCY_CLASSES - 1. The counts live in `seen`, a
+      history of the last `history_size` hashes seen, which outlives
+      eviction (as S3-FIFO's ghost queue does): a recomputed block whose
+      hash came back counts as frequent. A block seen once is evicted first;
+      priorities still dominate.
+    - a `ranker` (`set_ranker`) gives the key instead: offline reference
+      orders for the replay (kv_tooling/eviction_oracle.py), never a server's.
     """
 
-    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool, enable_events: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        num_groups: int,
+        enable_caching: bool,
+        enable_events: bool,
+        eviction_policy: EvictionPolicy = EvictionPolicy.LRU,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -57,12 +84,23 @@ class BlockPool:
         self.num_evictions = 0
         # The host tier behind this pool, if any: an evicted cached block is offered to it.
         self.host_tier: HostTier | None = None
-        # Retention priorities > 0 of cached blocks (any other block has priority 0); the first free
-        # block of each priority's segment, and the priorities of the segments in ascending order. All
-        # empty while no request sets a priority, and every path then runs as if they did not exist.
+        # Retention priorities > 0 of cached blocks (any other block has priority 0).
         self.priorities: dict[KVCacheBlock, int] = {}
+        # The segment keys > 0 of free cached blocks; the first block of each key's segment, and the
+        # keys of the segments in ascending order. All empty under lru while no request sets a
+        # priority, and every path then runs as if they did not exist.
+        self.segment_keys: dict[KVCacheBlock, int] = {}
         self._segment_heads: dict[int, KVCacheBlock] = {}
         self._segment_order: list[int] = []
+        self.eviction_policy = EvictionPolicy(eviction_policy)
+        self.by_frequency = self.eviction_policy is EvictionPolicy.FREQUENCY
+        self.ranker: Callable[[KVCacheBlock], int] | None = None
+        # Whether freed cached blocks always take a key (else only while some block has a priority).
+        self.keyed = self.by_frequency
+        # frequency: hash -> times seen (at most FREQUENCY_CLASSES), least recently seen first; at most
+        # `history_size` hashes. Empty under lru.
+        self.seen: OrderedDict[BlockHash, int] = OrderedDict()
+        self.history_size = HISTORY_PER_BLOCK * num_blocks
 
     # -- queries ---------------------------------------------------------------
 
@@ -112,6 +150,8 @@ class BlockPool:
     ) -> None:
         """Enter full, uncached, non-null `blocks` into the cache of `group_id`."""
         cached = self.cached[group_id]
+        if self.by_frequency:
+            self._see(block_hashes)
         for block, block_hash in zip(blocks, block_hashes):
             assert block.block_hash is None and not block.is_null, block
             block.block_hash = block_hash
@@ -127,7 +167,11 @@ class BlockPool:
             self.events.append(BlockStored(group_id, tuple(block_hashes), parent_block_hash, block_size))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on each block, rescuing free (cached) ones from the queue."""
+        """Take a reference on each block, rescuing free (cached) ones from the queue. Under frequency a
+        cached block's hash counts as seen once more."""
+        if self.by_frequency:
+            blocks = list(blocks)
+            self._see([block.block_hash for block in blocks if block.block_hash is not None])
         segmented = bool(self._segment_heads)
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
@@ -150,8 +194,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 (to_head if block.block_hash is None else to_tail).append(block)
         self.free_queue.prepend_n(to_head)
-        if self.priorities:
-            self._append_by_priority(to_tail)
+        if self.priorities or self.keyed:
+            self._append_to_segments(to_tail)
         else:
             self.free_queue.append_n(to_tail)
         return len(to_head) + len(to_tail)
@@ -177,6 +221,8 @@ class BlockPool:
         """Forget every cached hash, held blocks' included; returns how many there were. No event: the
         caller says why (AllBlocksCleared)."""
         self.priorities.clear()
+        self.segment_keys.clear()
+        self.seen.clear()
         self._segment_heads.clear()
         self._segment_order.clear()
         num_cached = 0
@@ -195,16 +241,15 @@ class BlockPool:
         Unlike an eviction nothing is offered to the host tier (their KV is not
         what the hash names) and no eviction is counted. Each stays where it
         is, held or free: a free one is simply reused sooner or later. A free
-        one with a retention priority leaves its segment for the head of the
-        queue, in block id order, where unhashed blocks go. One BlockRemoved
-        per group.
+        one in a segment leaves it for the head of the queue, in block id
+        order, where unhashed blocks go. One BlockRemoved per group.
         """
         removed: dict[int, list[BlockHash]] = {}
         unsegmented = []
         for block in blocks:
             if block.block_hash is not None:
                 removed.setdefault(block.group_id, []).append(block.block_hash)
-                if block.ref_cnt == 0 and block in self.priorities:
+                if block.ref_cnt == 0 and block in self.segment_keys:
                     self._leave_segment(block)
                     self.free_queue.remove(block)
                     unsegmented.append(block)
@@ -243,57 +288,103 @@ class BlockPool:
         block.group_id = -1
         if self.priorities:
             self.priorities.pop(block, None)
+        if self.segment_keys:
+            self.segment_keys.pop(block, None)
 
-    # -- retention priorities: the free queue's segments (see the class docstring) --------
+    # -- the free queue's segments (see the class docstring) ------------------------------
 
-    def restore_segments(self) -> None:
-        """Find the segments in the free queue, as restored with `priorities` (core/state.py)."""
+    def set_ranker(self, ranker: Callable[[KVCacheBlock], int]) -> None:
+        """Key freed cached blocks by `ranker` (>= 0; lowest evicted first) instead of the policy's order.
+        Only before the first block is freed."""
+        assert self.free_queue.num_free_blocks == self.num_blocks - 1, "a ranker is set on an unused pool"
+        self.ranker = ranker
+        self.keyed = True
+
+    def segment_key(self, block: KVCacheBlock) -> int:
+        """The key the cached `block` gets when it is freed now."""
+        if self.ranker is not None:
+            return self.ranker(block)
+        priority = self.priorities.get(block, 0) if self.priorities else 0
+        if not self.by_frequency:
+            return priority
+        return priority * FREQUENCY_CLASSES + self._frequency_class(block.block_hash)
+
+    def _frequency_class(self, block_hash: BlockHash) -> int:
+        return self.seen.get(block_hash, 1) - 1
+
+    def restore_segments(self, segment_keys: dict[KVCacheBlock, int] | None = None) -> None:
+        """Find the segments in the free queue, as restored (core/state.py) with `priorities` and, under
+        frequency, the free blocks' `segment_keys` (under lru they are the free blocks' priorities)."""
+        if segment_keys is None:
+            segment_keys = {block: p for block, p in self.priorities.items() if block.prev_free is not None}
+        self.segment_keys = segment_keys
         self._segment_heads = {}
         for block in self.free_queue:
-            priority = self.priorities.get(block, 0)
-            if priority:
-                self._segment_heads.setdefault(priority, block)
+            key = segment_keys.get(block, 0)
+            if key:
+                self._segment_heads.setdefault(key, block)
         self._segment_order = sorted(self._segment_heads)
 
-    def _append_by_priority(self, blocks: list[KVCacheBlock]) -> None:
-        """Put the freed cached `blocks`, in order, each at the end of its priority's segment."""
+    def _see(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Count each hash as seen once more (up to FREQUENCY_CLASSES), now the most recently seen; forget the
+        least recently seen beyond the history's size."""
+        seen = self.seen  # an OrderedDict: a plain dict slows down as its front is popped
+        get, move_to_end = seen.get, seen.move_to_end
+        for block_hash in block_hashes:
+            count = get(block_hash)
+            if count is None:
+                seen[block_hash] = 1
+            else:
+                move_to_end(block_hash)  # half the time of a pop and an insert
+                if count < FREQUENCY_CLASSES:
+                    seen[block_hash] = count + 1
+        for _ in range(len(seen) - self.history_size):
+            seen.popitem(last=False)
+
+    def _append_to_segments(self, blocks: list[KVCacheBlock]) -> None:
+        """Put the freed cached `blocks`, in order, each at the end of its key's segment."""
         if not blocks:
             return
-        priorities = self.priorities
-        by_priority: dict[int, list[KVCacheBlock]] = {}
+        keys = self.segment_keys
+        by_key: dict[int, list[KVCacheBlock]] = {}
+        segment_key = self.segment_key
         for block in blocks:
-            by_priority.setdefault(priorities.get(block, 0), []).append(block)
+            key = segment_key(block)
+            if key:
+                keys[block] = key
+            by_key.setdefault(key, []).append(block)
         heads, order = self._segment_heads, self._segment_order
-        for priority in sorted(by_priority):
-            batch = by_priority[priority]
-            index = bisect_right(order, priority)  # the next higher segment, if any
+        for key in sorted(by_key):
+            batch = by_key[key]
+            index = bisect_right(order, key)  # the next higher segment, if any
             if index < len(order):
                 self.free_queue.insert_before(heads[order[index]], batch)
             else:
                 self.free_queue.append_n(batch)
-            if priority and priority not in heads:
-                heads[priority] = batch[0]
-                order.insert(index, priority)
+            if key and key not in heads:
+                heads[key] = batch[0]
+                order.insert(index, key)
 
     def _leave_segment(self, block: KVCacheBlock) -> None:
-        """`block`, still in the free queue, is about to leave it: keep its segment's head right."""
-        priority = self.priorities.get(block, 0)
-        if priority and self._segment_heads[priority] is block:
+        """`block`, still in the free queue, is about to leave it: drop its key, keep its segment's head right."""
+        key = self.segment_keys.pop(block, 0)
+        if key and self._segment_heads[key] is block:
             following = block.next_free
-            if self.priorities.get(following, 0) == priority:
-                self._segment_heads[priority] = following
+            if self.segment_keys.get(following, 0) == key:
+                self._segment_heads[key] = following
             else:
-                del self._segment_heads[priority]
-                self._segment_order.remove(priority)
+                del self._segment_heads[key]
+                self._segment_order.remove(key)
 
     def _after_popleft(self) -> None:
-        """Blocks were popped from the head: drop or move the heads of the segments they reached."""
+        """Blocks were popped from the head: drop or move the heads of the segments they reached. (The popped
+        blocks' keys go when they are evicted: only cached blocks have one.)"""
         heads, order = self._segment_heads, self._segment_order
         while order and heads[order[0]].prev_free is None:  # popped: the segments below went whole
-            priority = order[0]
+            key = order[0]
             first = self.free_queue.first()
-            if first is not None and self.priorities.get(first, 0) == priority:
-                heads[priority] = first
+            if first is not None and self.segment_keys.get(first, 0) == key:
+                heads[key] = first
                 return
-            del heads[priority]
+            del heads[key]
             order.pop(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kv_manager_service.core.block_pool import FREQUENCY_CLASSES, BlockPool
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.shared.ops import MAX_RETENTION_PRIORITY
 from kv_manager_service.core.host_index import EMPTY
@@ -130,19 +131,44 @@ def check_retention_invariants(manager: "KVCacheManager") -> None:
     for block, priority in pool.priorities.items():
         assert 0 < priority <= MAX_RETENTION_PRIORITY, f"{block} has priority {priority}"
         assert block.block_hash is not None and not block.is_null, f"uncached {block} has priority {priority}"
+    check_segment_invariants(pool)
+
+
+def check_segment_invariants(pool: BlockPool) -> None:
+    """The free queue's segments (BlockPool): keys never decrease from head to tail, each segment's
+    recorded head is its first block, and the segment list names exactly the keys the queue holds, in
+    ascending order. Only free cached blocks have a key, and it is the one their policy gives: their
+    priority under lru; under frequency that priority's band (a block's frequency class is fixed when it
+    is freed, so only the band is checked); a replay's ranker owns its keys. The frequency history stays
+    within its size and its counts within 1..FREQUENCY_CLASSES, empty under lru.
+    """
     heads: dict[int, KVCacheBlock] = {}
-    last_priority = 0
+    last_key = 0
     for block in pool.free_queue:
-        priority = pool.priorities.get(block, 0)
-        assert priority >= last_priority, (
-            f"free block {block.block_id} of priority {priority} follows one of priority {last_priority}"
-        )
-        last_priority = priority
-        if priority:
-            heads.setdefault(priority, block)
+        key = pool.segment_keys.get(block, 0)
+        assert key >= last_key, f"free block {block.block_id} of segment {key} follows one of segment {last_key}"
+        last_key = key
+        if key:
+            heads.setdefault(key, block)
     assert heads == pool._segment_heads and pool._segment_order == sorted(heads), (
         f"segments {sorted(pool._segment_heads)} (order {pool._segment_order}) but the queue holds {sorted(heads)}"
     )
+    for block, key in pool.segment_keys.items():
+        assert key > 0 and block.block_hash is not None and block.prev_free is not None, (
+            f"{block} has segment key {key} but is not a free cached block"
+        )
+        if pool.ranker is None:
+            priority = pool.priorities.get(block, 0)
+            band = key // FREQUENCY_CLASSES if pool.by_frequency else key
+            assert band == priority, (
+                f"{block} of priority {priority} is in segment {key} ({pool.eviction_policy.value})"
+            )
+    unkeyed = [b for b in pool.priorities if b.prev_free is not None and b not in pool.segment_keys]
+    assert not unkeyed, f"free blocks {unkeyed[:4]} have a priority but no segment"
+    assert len(pool.seen) <= pool.history_size and (pool.by_frequency or not pool.seen), (
+        f"the frequency history holds {len(pool.seen)} hashes (at most {pool.history_size}, {pool.eviction_policy.value})"
+    )
+    assert all(1 <= count <= FREQUENCY_CLASSES for count in pool.seen.values()), "a count outside 1..FREQUENCY_CLASSES"
 
 
 def check_host_tier_invariants(manager: "KVCacheManager") -> None:

@@ -76,7 +76,9 @@ class KVCacheManager:
         self.config = config
         self.enable_caching = config.enable_prefix_caching
         self.hash_block_size = config.hash_block_size
-        self.pool = BlockPool(config.num_blocks, len(config.groups), self.enable_caching, config.enable_events)
+        self.pool = BlockPool(
+            config.num_blocks, len(config.groups), self.enable_caching, config.enable_events, config.eviction_policy
+        )
         self.hasher = BlockHasher(self.hash_block_size, config.hash_algorithm, config.hash_seed)
         # The host tier, or None: every tier path is behind this one test, so without it nothing changes.
         self.host_tier = (

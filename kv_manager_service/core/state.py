@@ -11,6 +11,7 @@ links).
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -92,7 +93,11 @@ class CoreState:
     `host_tier`: None without a host tier. Retention (docs/retention.md):
     `block_priorities` (block id, priority) of the cached blocks with a
     priority > 0, in block id order; `pins` oldest first; `num_pins_made`,
-    the last pin id made (0: none).
+    the last pin id made (0: none). Under the frequency eviction policy
+    (BlockPool): `segment_keys`, (block id, key) of the free blocks with a
+    segment key > 0, in block id order (under lru they are the free blocks'
+    priorities, so empty), and `seen`, the frequency history, least recently
+    seen first (empty under lru).
     """
 
     last_step_id: int
@@ -109,6 +114,8 @@ class CoreState:
     pins: tuple[PinExport, ...] = ()
     num_pins_made: int = 0
     num_unpinned_blocks: int = 0
+    segment_keys: tuple[tuple[int, int], ...] = ()
+    seen: tuple[tuple[BlockHash, int], ...] = ()
 
 
 def export_state(manager: KVCacheManager) -> CoreState:
@@ -157,6 +164,8 @@ def export_state(manager: KVCacheManager) -> CoreState:
         ),
         pins.next_pin_id - 1,
         pins.num_unpinned_blocks,
+        tuple(sorted((b.block_id, key) for b, key in pool.segment_keys.items())) if pool.by_frequency else (),
+        tuple(pool.seen.items()),
     )
 
 
@@ -235,7 +244,13 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
         manager._pending_copies.append((step_id, src, dst))
     for block_id, priority in state.block_priorities:
         pool.priorities[block(block_id)] = priority
-    pool.restore_segments()
+    if pool.by_frequency:
+        pool.restore_segments({block(block_id): key for block_id, key in state.segment_keys})
+        if len(state.seen) > pool.history_size:
+            raise ValueError(f"the state's frequency history holds {len(state.seen)} hashes; this pool's holds {pool.history_size}")
+        pool.seen = OrderedDict(state.seen)
+    else:
+        pool.restore_segments()
     _restore_pins(manager, state, block)
     manager.last_step_id = state.last_step_id
     manager.prefix_cache_queries = state.prefix_cache_queries

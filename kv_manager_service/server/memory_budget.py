@@ -17,7 +17,9 @@ resident memory of a process holding a pool whose every block is cached,
 in both tiers, and of a compaction's snapshot built from it, all of its
 parts alive at once: 282 to 323 bytes, and 223 to 283 bytes more, for
 8 * 10^4 to 2.5 * 10^5 blocks; a host block 61 to 96 bytes, and 176 to
-271 more, for 4 * 10^4 to 10^6 host blocks), rounded up. A start whose estimate exceeds the memory available
+271 more, for 4 * 10^4 to 10^6 host blocks), rounded up. The frequency eviction policy adds its history:
+4 hashes per block (core/block_pool.py HISTORY_PER_BLOCK) at 105 bytes an OrderedDict entry and 65 a
+hash no block holds any more (tracemalloc), and a snapshot's copy of it. A start whose estimate exceeds the memory available
 to it (MemAvailable, or the cgroup's limit less its usage when lower) is
 refused with the figures; `--no-memory-check` skips the check.
 """
@@ -31,6 +33,8 @@ BASE_BYTES = 64 << 20  # the server process before any block: Python, grpc, prot
 BYTES_PER_BLOCK = 360  # a cached device block
 HOST_BYTES_PER_BLOCK = 128  # a host block, cached or not
 TRANSIENT_BYTES_PER_BLOCK = 320  # a block of either tier in a compaction's snapshot, or in a resync's tables
+FREQUENCY_BYTES_PER_BLOCK = 4 * 176  # the frequency history's 4 hashes per device block
+FREQUENCY_TRANSIENT_BYTES_PER_BLOCK = 4 * 128  # their copy in a compaction's snapshot
 
 
 class MemoryEstimate(NamedTuple):
@@ -44,10 +48,16 @@ class MemoryEstimate(NamedTuple):
         return self.base + self.blocks + self.transient + self.retention
 
 
-def estimate_memory(num_blocks: int, num_host_blocks: int, retention_bytes: int) -> MemoryEstimate:
-    """The manager's memory at its worst for a pool of `num_blocks` device and `num_host_blocks` host blocks."""
+def estimate_memory(
+    num_blocks: int, num_host_blocks: int, retention_bytes: int, by_frequency: bool = False
+) -> MemoryEstimate:
+    """The manager's memory at its worst for a pool of `num_blocks` device and `num_host_blocks` host blocks,
+    `by_frequency` with the frequency eviction policy's history."""
     blocks = num_blocks * BYTES_PER_BLOCK + num_host_blocks * HOST_BYTES_PER_BLOCK
     transient = (num_blocks + num_host_blocks) * TRANSIENT_BYTES_PER_BLOCK
+    if by_frequency:
+        blocks += num_blocks * FREQUENCY_BYTES_PER_BLOCK
+        transient += num_blocks * FREQUENCY_TRANSIENT_BYTES_PER_BLOCK
     return MemoryEstimate(BASE_BYTES, blocks, transient, retention_bytes)
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import logging
 import os
 import socket
@@ -26,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from kv_manager_service.core import HashAlgorithm, KVCacheConfig, KVCacheManager, hashing
+from kv_manager_service.core import EvictionPolicy, HashAlgorithm, KVCacheConfig, KVCacheManager, hashing
 from kv_manager_service.shared.aio import AioInterceptor, EventLoopThread
 from kv_manager_service.server.journal import DEFAULT_COMPACT_BYTES, Journal
 from kv_manager_service.shared.rpc_metrics import RpcMetricsInterceptor, new_registry
@@ -51,6 +49,7 @@ from kv_manager_service.server.memory_budget import (
     describe,
     estimate_memory,
 )
+from kv_manager_service.server.pool_identity import pool_description
 from kv_manager_service.server.replica import Replica
 from kv_manager_service.server.ha_options import HAOptions, MemberLink
 from kv_manager_service.server.retention import ServiceLimits
@@ -276,7 +275,8 @@ class RunningServer:
 def memory_estimate(config: KVCacheConfig, options: ServerOptions) -> MemoryEstimate:
     limits = options.limits
     retention = limits.step_retention_bytes + limits.event_retention_bytes + limits.idempotency_retention_bytes
-    return estimate_memory(config.num_blocks, config.num_host_blocks, retention)
+    by_frequency = config.eviction_policy is EvictionPolicy.FREQUENCY
+    return estimate_memory(config.num_blocks, config.num_host_blocks, retention, by_frequency)
 
 
 def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:
@@ -587,19 +587,6 @@ def _mirror(
         writer = new_writer(False)
         return (lambda takeover: writer), ClusterIndex(lookup_client, schema), metrics
     return new_writer, ClusterIndex(lookup_client, schema), metrics
-
-
-def pool_description(config: KVCacheConfig) -> str:
-    """The pool's configuration as canonical JSON, with the hash seed replaced by a digest of it."""
-    values = dataclasses.asdict(config)
-    values.pop("enable_events", None)
-    if not values.get("num_host_blocks"):  # no host tier: the description journals written before the tier hold
-        values.pop("num_host_blocks", None)
-    if values.get("retention_max_pinned_blocks") is None:  # the default: as journals written before retention
-        values.pop("retention_max_pinned_blocks", None)
-    seed = values.pop("hash_seed", None)
-    values["hash_seed_sha256"] = hashlib.sha256(seed.encode()).hexdigest() if seed else None
-    return json.dumps(values, sort_keys=True, default=str)
 
 
 def _redact(url: str) -> str:

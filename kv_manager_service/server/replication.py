@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from kv_manager_service.broadcast_log import LogTruncatedError
 from kv_manager_service.server import replication_link
+from kv_manager_service.server.pool_identity import pool_description
 from kv_manager_service.server.replica import Replica, ReplicationError
 from kv_manager_service.server.snapshot import take_snapshot
 from kv_manager_service.shared.errors import NotPrimaryError
@@ -211,6 +212,7 @@ class ReplicationListener:
     def __init__(self, member: GroupMember, host: str, port: int, tls: ServerTLS | None, tokens: TokenTable | None) -> None:
         self.member = member
         self.tokens = tokens
+        self.pool = pool_description(member.replica.manager.config)  # a standby's must be the same
         self.connections: set[_StandbyConnection] = set()  # open, each adding and removing itself
         loop = member.commit.loop
         context = replication_link.server_context(tls)
@@ -239,6 +241,12 @@ class ReplicationListener:
                 return rpb.Refusal(reason="PERMISSION_DENIED", message=f"{caller.tenant!r} is not of the member role")
         if not first.member_id or " " in first.member_id:
             return rpb.Refusal(reason="INVALID_ARGUMENT", message=f"member_id must be one word, got {first.member_id!r}")
+        if first.pool and first.pool != self.pool:
+            return rpb.Refusal(
+                reason="FAILED_PRECONDITION",
+                message=f"the standby's pool configuration is not the primary's:\n  standby: {first.pool}\n"
+                f"  primary: {self.pool}",
+            )
         return None
 
 
@@ -468,7 +476,7 @@ class _PrimaryConnection(replication_link.FrameProtocol):
             first = rpb.FollowRequest(
                 member_id=member.member_id, address=member.address, last_seq=replica.last_seq,
                 last_token=replica.last_record_token, highest_token=replica.token, acked_seq=replica.last_seq,
-                bearer_token=member.bearer_token or "",
+                bearer_token=member.bearer_token or "", pool=pool_description(replica.manager.config),
             )  # fmt: skip
         self.send(first.SerializeToString())
 

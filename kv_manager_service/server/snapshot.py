@@ -106,6 +106,10 @@ def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
         ],
         num_pins_made=state.num_pins_made,
         num_unpinned_blocks=state.num_unpinned_blocks,
+        segment_block_ids=[block_id for block_id, _ in state.segment_keys],
+        segment_keys=[key for _, key in state.segment_keys],
+        seen_hashes=[block_hash for block_hash, _ in state.seen],
+        seen_counts=[count for _, count in state.seen],
     )
 
 
@@ -114,6 +118,10 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         raise ValueError("the snapshot's cached blocks have lists of different lengths")
     if len(message.priority_block_ids) != len(message.priorities):
         raise ValueError("the snapshot's block priorities have lists of different lengths")
+    if len(message.segment_block_ids) != len(message.segment_keys):
+        raise ValueError("the snapshot's segment keys have lists of different lengths")
+    if len(message.seen_hashes) != len(message.seen_counts):
+        raise ValueError("the snapshot's frequency history has lists of different lengths")
     return CoreState(
         message.last_step_id,
         tuple(message.free_block_ids),
@@ -129,6 +137,8 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         tuple(PinExport(p.pin_id, p.request_id, p.ttl_ms, tuple(p.block_ids)) for p in message.pins),
         message.num_pins_made,
         message.num_unpinned_blocks,
+        tuple(zip(message.segment_block_ids, message.segment_keys)),
+        tuple(zip(map(BlockHash, message.seen_hashes), message.seen_counts)),
     )
 
 

@@ -50,6 +50,18 @@ class GroupSpec:
 DEFAULT_GROUPS = (GroupSpec(GroupKind.FULL_ATTENTION, 16),)
 
 
+class EvictionPolicy(str, enum.Enum):
+    """Which free cached device block is reused first (core/block_pool.py has the orders).
+
+    lru: the least recently used, vLLM's order. frequency: the one whose hash
+    was seen (computed or hit) least often, in a history that outlives
+    eviction, least recently used among equals.
+    """
+
+    LRU = "lru"
+    FREQUENCY = "frequency"
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Everything the core needs to know about one pool; checked on construction.
@@ -75,6 +87,7 @@ class KVCacheConfig:
     max_num_requests: int = 1 << 16
     num_host_blocks: int = 0
     retention_max_pinned_blocks: int | None = None
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
@@ -84,6 +97,12 @@ class KVCacheConfig:
             raise ValueError("groups must list at least one KV-cache group")
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "hash_algorithm", HashAlgorithm(self.hash_algorithm))
+        if self.eviction_policy not in {p.value for p in EvictionPolicy}:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(p.value for p in EvictionPolicy)}, "
+                f"got {self.eviction_policy!r}"
+            )
+        object.__setattr__(self, "eviction_policy", EvictionPolicy(self.eviction_policy))
         if self.hash_algorithm is HashAlgorithm.XXH3_128 and not self.hash_seed:
             raise ValueError("hash_algorithm xxh3_128 needs a secret hash_seed")
         if self.max_model_len < 1:

@@ -322,12 +322,16 @@ class RetentionMachine(RuleBasedStateMachine):
         num_blocks=st.integers(8, 16),
         quota=st.sampled_from([6, 4, 8, 2, 0]),
         hybrid=st.booleans(),
+        policy=st.sampled_from(["lru", "frequency"]),
     )
-    def create(self, num_blocks: int, quota: int, hybrid: bool) -> None:
+    def create(self, num_blocks: int, quota: int, hybrid: bool, policy: str) -> None:
         groups = [GroupSpec(GroupKind.FULL_ATTENTION, 2)]
         if hybrid:
             groups.append(GroupSpec(GroupKind.SLIDING_WINDOW, 2, sliding_window=3))
-        self.m = make_manager(num_blocks=num_blocks, max_pinned_blocks=min(quota, num_blocks - 1), groups=tuple(groups))
+        self.m = make_manager(
+            num_blocks=num_blocks, max_pinned_blocks=min(quota, num_blocks - 1), groups=tuple(groups),
+            eviction_policy=policy,
+        )  # fmt: skip
         self.clock = PinClock()
         self.now = 0.0
         self.deadlines: dict[int, float] = {}

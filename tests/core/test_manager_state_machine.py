@@ -20,6 +20,7 @@ runs after every rule, and the rules assert the scheduler-visible contract:
 
 from __future__ import annotations
 
+import dataclasses
 from copy import deepcopy
 import random
 from collections import Counter
@@ -39,6 +40,7 @@ from kv_manager_service.core import (
     BlockStored,
     CacheHit,
     DecodeBatch,
+    EvictionPolicy,
     FailedPreconditionError,
     ForkOp,
     ForkResult,
@@ -301,6 +303,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @initialize(data=st.data())
     def create_manager(self, data: st.DataObject) -> None:
         config = self.make_config(data)
+        if config.enable_prefix_caching:  # every rule's invariants hold under either eviction order
+            policy = data.draw(st.sampled_from(EvictionPolicy), label="eviction_policy")
+            config = dataclasses.replace(config, eviction_policy=policy)
         self.m = KVCacheManager(config)
         self.hasher = BlockHasher(config.hash_block_size, config.hash_algorithm, config.hash_seed)
 

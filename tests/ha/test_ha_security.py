@@ -118,3 +118,17 @@ def test_a_group_without_what_authenticates_its_members_is_refused(tmp_path: Pat
     ]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_standby_of_another_pool_is_refused_and_never_gets_in_sync(group: Group) -> None:
+    """It would answer the same Steps with other evictions: the primary refuses it, naming both pools."""
+    group.start()
+    _primary_by_log(group)
+    primary = group.members[0]
+    standby = group.start("--eviction-policy", "frequency")
+    deadline = time.monotonic() + 10
+    while "FAILED_PRECONDITION the standby's pool configuration is not the primary's" not in standby.log():
+        assert time.monotonic() < deadline, standby.log()[-3000:]
+        time.sleep(0.05)
+    assert 'eviction_policy' in standby.log()  # the standby's pool, in the message
+    assert f" at {standby.address} follows" not in primary.log()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kv_manager_service.server.memory_budget import (
+    FREQUENCY_BYTES_PER_BLOCK,
     available_memory,
     check_fits,
     estimate_memory,
@@ -54,3 +55,9 @@ def test_the_available_memory_is_the_lower_of_meminfo_and_the_cgroup(tmp_path: P
     (cgroup / "memory.current").write_text(f"{2**30}\n")
     assert available_memory(proc, cgroup)[0] == 2**30
     assert available_memory(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_the_frequency_policy_adds_its_history_to_the_estimate():
+    lru, frequency = estimate_memory(100_000, 0, 0), estimate_memory(100_000, 0, 0, by_frequency=True)
+    assert frequency.blocks - lru.blocks == 100_000 * FREQUENCY_BYTES_PER_BLOCK
+    assert frequency.transient > lru.transient

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kv_manager_service.core import KVCacheConfig
-from kv_manager_service.server.process import pool_description
+from kv_manager_service.server.pool_identity import pool_description
 
 
 def test_a_pool_without_host_tier_is_described_as_before_the_tier_existed():
@@ -18,3 +18,10 @@ def test_a_pool_without_host_tier_is_described_as_before_the_tier_existed():
 def test_a_host_tier_is_part_of_the_description():
     described = json.loads(pool_description(KVCacheConfig(num_blocks=64, num_host_blocks=32)))
     assert described["num_host_blocks"] == 32
+
+
+def test_the_eviction_policy_is_described_unless_it_is_the_default_lru():
+    """A journal written under one eviction order is refused under another: its steps would evict differently."""
+    assert "eviction_policy" not in json.loads(pool_description(KVCacheConfig(num_blocks=64)))
+    described = json.loads(pool_description(KVCacheConfig(num_blocks=64, eviction_policy="frequency")))
+    assert described["eviction_policy"] == "frequency"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
+import pytest
+
 from kv_manager_service.server.journal import _FRAME, _read
 from kvcache.v1 import kv_manager_pb2 as pb
 from processes import stop_all
@@ -56,8 +58,10 @@ def keyed(key: str, request_id: str, token: int) -> pb.StepRequest:
     return request
 
 
-def test_a_compacted_journal_survives_sigkill_at_once_and_with_a_tail(tmp_path):
-    manager = Manager(tmp_path, *COMPACT)
+@pytest.mark.parametrize("policy", ["lru", "frequency"])
+def test_a_compacted_journal_survives_sigkill_at_once_and_with_a_tail(tmp_path, policy):
+    """Under either eviction policy: the frequency order's segment keys and history are in the snapshot."""
+    manager = Manager(tmp_path, *COMPACT, "--eviction-policy", policy)
     try:
         channel, stub = connect(manager.start().address)
         with channel:
@@ -89,6 +93,13 @@ def test_a_compacted_journal_survives_sigkill_at_once_and_with_a_tail(tmp_path):
         channel, stub = connect(manager.start().address)
         with channel:
             assert state(stub) == with_tail
+        manager.kill()
+
+        # The journal's steps evicted by its policy: another one is refused.
+        other = "frequency" if policy == "lru" else "lru"
+        manager.argv[manager.argv.index(policy)] = other
+        done = subprocess.run(manager.argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "different pool configuration" in done.stderr, done.stderr[-2000:]
     finally:
         failures = stop_all(manager.processes)
         assert not failures, "\n\n".join(failures)
