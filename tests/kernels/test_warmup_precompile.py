@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# 20-50 s of interpreted compiles on a CPU: `thorough` there only (conftest.py); the GPU check runs it.
-# (Not tests/devices.py: this file also runs as a script, without tests/ on the path.)
-pytestmark = pytest.mark.thorough if not torch.cuda.is_available() else []
+# 20-50 s of compiles on a CPU (conftest.py). Everywhere, not only without CUDA: this file also runs as a
+# script and in spawned children, where importing devices.py would set Triton up the wrong way.
+pytestmark = pytest.mark.thorough
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = dict(num_q_heads=8, num_kv_heads=2, head_dim=32, dtype="bfloat16", groups=((16, 64),),
