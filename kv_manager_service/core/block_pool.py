@@ -295,7 +295,7 @@ class BlockPool:
 
     def set_ranker(self, ranker: Callable[[KVCacheBlock], int]) -> None:
         """Key freed cached blocks by `ranker` (>= 0; lowest evicted first) instead of the policy's order.
-        Only before the first block is freed."""
+        Only on a pool with no block in use."""
         assert self.free_queue.num_free_blocks == self.num_blocks - 1, "a ranker is set on an unused pool"
         self.ranker = ranker
         self.keyed = True

@@ -247,7 +247,9 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
     if pool.by_frequency:
         pool.restore_segments({block(block_id): key for block_id, key in state.segment_keys})
         if len(state.seen) > pool.history_size:
-            raise ValueError(f"the state's frequency history holds {len(state.seen)} hashes; this pool's holds {pool.history_size}")
+            raise ValueError(
+                f"the state's frequency history holds {len(state.seen)} hashes; this pool's holds {pool.history_size}"
+            )
         pool.seen = OrderedDict(state.seen)
     else:
         pool.restore_segments()
