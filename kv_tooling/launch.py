@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,9 @@ def stopped_on_signals() -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         for other in STOP_SIGNALS:
             signal.signal(other, signal.SIG_IGN)
+        if _spawn_guard.spawning:
+            _spawn_guard.held = signum  # `_spawn` raises it once the child is known
+            return
         raise Interrupted(signum)
 
     previous = {signum: signal.signal(signum, interrupt) for signum in STOP_SIGNALS}
@@ -322,13 +326,45 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _SpawnGuard:
+    """A stop signal that arrives while the main thread is inside `subprocess.Popen` is held here.
+
+    Raised there, after the fork but before Popen returns, Interrupted would
+    leave a running child that no caller knows of, so nobody stops it.
+    """
+
+    spawning = False
+    held: int | None = None
+
+
+_spawn_guard = _SpawnGuard()
+
+
 def _spawn(
     argv: list[str], log_path: Path, cwd: Path | None, env: Mapping[str, str] | None, stdout: int | None
 ) -> subprocess.Popen:
-    """`argv` with stderr to `log_path`; stdout to `stdout` (a pipe), or to the log as well when None."""
-    with open(log_path, "wb") as log_file:
-        out: int | IO[bytes] = log_file if stdout is None else stdout
-        return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=log_file)
+    """`argv` with stderr to `log_path`; stdout to `stdout` (a pipe), or to the log as well when None.
+
+    A stop signal held during the spawn (`_SpawnGuard`) kills the new child and raises Interrupted.
+    """
+    guarded = threading.current_thread() is threading.main_thread()  # signal handlers run there only
+    if guarded:
+        _spawn_guard.spawning = True
+    process = None
+    try:
+        with open(log_path, "wb") as log_file:
+            out: int | IO[bytes] = log_file if stdout is None else stdout
+            process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=log_file)
+    finally:
+        if guarded:
+            _spawn_guard.spawning = False
+            held, _spawn_guard.held = _spawn_guard.held, None
+            if held is not None:
+                if process is not None:
+                    _kill(process)
+                    _close_stdout(process)
+                raise Interrupted(held)  # the stop wins over whatever Popen raised
+    return process
 
 
 def _kill(process: subprocess.Popen) -> None:
