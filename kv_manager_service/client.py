@@ -44,6 +44,8 @@ from kv_manager_service.shared.ops import (
     BlockCopy,
     BlockTable,
     CacheHit,
+    ExpectOp,
+    ExpectResult,
     ForkOp,
     ForkResult,
     FreeOp,
@@ -74,6 +76,8 @@ __all__ = [
     "CacheHit",
     "DecodeStepResult",
     "DecodeTableChange",
+    "ExpectOp",
+    "ExpectResult",
     "ForkOp",
     "ForkResult",
     "FreeOp",
@@ -425,7 +429,7 @@ class KVManagerClient:
             cache_salt=cache_salt or "",
             lora_name=lora.name if lora else "",
             lora_path=lora.path if lora else "",
-            mm_features=[pb.MMFeature(identifier=m.identifier, offset=m.offset, length=m.length) for m in mm_features],
+            mm_features=wire.mm_feature_messages(mm_features),
             cluster=cluster,
         )
         response = self._read("FindCacheHit", request)

@@ -19,6 +19,8 @@ from kv_manager_service.shared.ops import (
     CacheHit,
     DecodeBatch,
     DecodeResults,
+    ExpectOp,
+    ExpectResult,
     ForkOp,
     ForkResult,
     FreeOp,
@@ -93,6 +95,16 @@ def fork_op(message: pb.ForkRequest) -> ForkOp:
     return ForkOp(message.parent_request_id, list(message.child_request_ids))
 
 
+def expect_op(message: pb.ExpectRequest) -> ExpectOp:
+    return ExpectOp(
+        message.request_id,
+        list(message.token_ids),
+        message.cache_salt or None,
+        lora(message.lora_name, message.lora_path),
+        mm_features(message.mm_features),
+    )
+
+
 def step_ops(message: pb.StepRequest) -> tuple[list[Op], DecodeBatch | None]:
     """The nested ops of a Step, and its decode batch (None when it has no entries)."""
     ops: list[Op] = []
@@ -104,8 +116,10 @@ def step_ops(message: pb.StepRequest) -> tuple[list[Op], DecodeBatch | None]:
             ops.append(free_op(op.free))
         elif kind == "fork":
             ops.append(fork_op(op.fork))
+        elif kind == "expect":
+            ops.append(expect_op(op.expect))
         else:
-            raise InvalidArgumentError(f"ops[{index}] sets none of allocate, free, fork", f"ops[{index}]")
+            raise InvalidArgumentError(f"ops[{index}] sets none of allocate, free, fork, expect", f"ops[{index}]")
     decode = message.decode
     request_ids = decode.request_ids
     token_ids = decode.token_ids
@@ -157,6 +171,10 @@ def step_result(result: OpResult) -> pb.StepResult:
         return pb.StepResult(allocate=allocate_response(result))
     if type(result) is FreeResult:
         return pb.StepResult(free=pb.FreeResponse(num_freed_blocks=result.num_freed_blocks, step_id=result.step_id))
+    if type(result) is ExpectResult:
+        return pb.StepResult(
+            expect=pb.ExpectResponse(num_expected_tokens=result.num_expected_tokens, step_id=result.step_id)
+        )
     assert type(result) is ForkResult, result
     return pb.StepResult(fork=pb.ForkResponse(step_id=result.step_id))
 
@@ -345,7 +363,13 @@ def op_result(message: pb.StepResult) -> OpResult:
         return allocate_result(message.allocate)
     if kind == "free":
         return FreeResult(message.free.num_freed_blocks, message.free.step_id)
+    if kind == "expect":
+        return ExpectResult(message.expect.num_expected_tokens, message.expect.step_id)
     return ForkResult(message.fork.step_id)
+
+
+def mm_feature_messages(features: Sequence[MMFeature]) -> list[pb.MMFeature]:
+    return [pb.MMFeature(identifier=m.identifier, offset=m.offset, length=m.length) for m in features]
 
 
 def allocate_request(op: AllocateOp) -> pb.AllocateRequest:
@@ -358,7 +382,7 @@ def allocate_request(op: AllocateOp) -> pb.AllocateRequest:
         cache_salt=op.cache_salt or "",
         lora_name=op.lora.name if op.lora else "",
         lora_path=op.lora.path if op.lora else "",
-        mm_features=[pb.MMFeature(identifier=m.identifier, offset=m.offset, length=m.length) for m in op.mm_features],
+        mm_features=mm_feature_messages(op.mm_features),
         skip_prefix_cache=op.skip_prefix_cache,
         retention=retention_message(op.retention),
     )
@@ -369,6 +393,17 @@ def step_op(op: Op) -> pb.StepOp:
         return pb.StepOp(allocate=allocate_request(op))
     if type(op) is FreeOp:
         return pb.StepOp(free=pb.FreeRequest(request_ids=op.request_ids, num_computed_tokens=op.num_computed_tokens))
+    if type(op) is ExpectOp:
+        return pb.StepOp(
+            expect=pb.ExpectRequest(
+                request_id=op.request_id,
+                token_ids=op.token_ids,
+                cache_salt=op.cache_salt or "",
+                lora_name=op.lora.name if op.lora else "",
+                lora_path=op.lora.path if op.lora else "",
+                mm_features=mm_feature_messages(op.mm_features),
+            )
+        )
     assert type(op) is ForkOp, op
     return pb.StepOp(fork=pb.ForkRequest(parent_request_id=op.parent_request_id, child_request_ids=op.child_request_ids))
 

@@ -56,6 +56,13 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
         help="multiply the gaps between trace timestamps by S (2: arrivals half as dense; default %(default)s)",
     )
     replay.add_argument(
+        "--no-expect-waiting",
+        dest="expect_waiting",
+        action="store_false",
+        help="do not tell the manager the waiting requests' prompts (expect ops): their cached blocks are then "
+        "evicted in the policy's order like any other (default: told, as the reference scheduler does)",
+    )
+    replay.add_argument(
         "--report-json", type=Path, metavar="PATH", help="also write the figures to PATH as one JSON object"
     )
     add_cost_model_flags(replay)
@@ -158,6 +165,7 @@ def run_replay(args: argparse.Namespace) -> int:
         arrivals=args.arrivals,
         time_scale=args.time_scale,
         cost_model=cost_model,
+        expect_waiting=args.expect_waiting,
     )
     block_size = config.groups[0].block_size
     print(
@@ -187,6 +195,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "num_blocks": config.num_blocks,
             "num_host_blocks": config.num_host_blocks,
             "eviction_policy": args.eviction_policy or config.eviction_policy.value,
+            "expect_waiting": args.expect_waiting,
             "block_size": block_size,
             "token_budget": args.token_budget,
             "max_running": args.max_running,

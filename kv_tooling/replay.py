@@ -81,6 +81,7 @@ class ReplayConfig:
     arrivals: Arrivals = "asap"
     time_scale: float = 1.0  # multiplies the gaps between trace timestamps ("trace" arrivals)
     cost_model: StepCostModel = field(default_factory=StepCostModel)
+    expect_waiting: bool = True  # the scheduler tells the manager the waiting requests' prompts (ExpectOp)
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_running", "progress_every_steps"):
@@ -328,7 +329,8 @@ def replay(
     metered = MeteredManager(manager)
     metered.oracle = oracle
     worker = MeteredWorker(expander.vocab_size)
-    scheduler = ReferenceScheduler(metered, worker, SchedulerConfig(config.token_budget, config.max_num_running))
+    limits = SchedulerConfig(config.token_budget, config.max_num_running, expect_waiting=config.expect_waiting)
+    scheduler = ReferenceScheduler(metered, worker, limits)
     worker.requests = scheduler.sequences
     stats_before = manager.stats()
     tier_before = manager.host_tier_stats()
@@ -341,13 +343,8 @@ def replay(
     peak_usage = stats_before.usage
     start_ns = time.perf_counter_ns()
     while True:
-        # A step looks at no more of the queue than the free running slots: keeping that many
-        # there is the same as queueing every released record at once.
-        while (
-            num_added < len(records)
-            and released_s[num_added] <= clock_s
-            and len(scheduler.waiting) < config.max_num_running - len(scheduler.running)
-        ):
+        # Every released record waits in the scheduler's queue, which tells the manager its prompt.
+        while num_added < len(records) and released_s[num_added] <= clock_s:
             record = records[num_added]
             request_id = f"replay-{num_added}"  # its trace index (request_index) is its sampling seed
             prompt = expander.prompt_token_ids(record)

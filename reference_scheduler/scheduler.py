@@ -62,7 +62,7 @@ import logging
 import time
 from typing import Sequence
 
-from kv_manager_service.client import AllocateOp, AllocateResult, AllocateStatus, FreeOp, KVMissingError, Op
+from kv_manager_service.client import AllocateOp, AllocateResult, AllocateStatus, ExpectOp, FreeOp, KVMissingError, Op
 from reference_scheduler.interfaces import ExecuteResult, Manager, Scheduled, Worker
 
 log = logging.getLogger("reference_scheduler")
@@ -97,6 +97,9 @@ class SchedulerConfig:
     # Other schedulers hold blocks of the same pool: a request refused while this
     # scheduler holds nothing waits for them instead of raising RequestTooLargeError.
     shared_pool: bool = False
+    # Tell the manager each waiting request's prompt ahead (ExpectOp), so that the cached blocks
+    # the queue needs are evicted last.
+    expect_waiting: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_running"):
@@ -119,6 +122,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # the prefix-cache hit of its first admission
     num_preemptions: int = 0
     running: bool = False
+    expected: bool = False  # the manager expects this attempt (`manager_id`): an ExpectOp was sent
     # The id under which the manager holds the current attempt: a new one after each preemption.
     manager_id: str = dataclasses.field(init=False)
 
@@ -195,6 +199,7 @@ class ReferenceScheduler:
         self.timings: list[StepTiming] = []
         self.counters = SchedulerCounters()
         self.running_refused = False  # a running request got NO_SPACE in the last step
+        self.unexpected: list[Request] = []  # waiting requests not expected yet (`expect_waiting`), in queue order
 
     @property
     def num_preemptions(self) -> int:
@@ -210,6 +215,7 @@ class ReferenceScheduler:
         request = Request(request_id, list(prompt), len(prompt), max_new_tokens, sampling)
         self.sequences[request_id] = request
         self.waiting.append(request)
+        self.unexpected.append(request)
         return request
 
     def fork(self, parent_id: str, children: dict[str, Sampling], max_new_tokens: int) -> list[Request]:
@@ -245,6 +251,10 @@ class ReferenceScheduler:
             self.to_free[request.manager_id] = None
         elif request in self.waiting:
             self.waiting.remove(request)
+            if request.expected:
+                self.to_free[request.manager_id] = None  # withdraws the expectation
+            elif request in self.unexpected:
+                self.unexpected.remove(request)
         else:
             raise ValueError(f"request {request_id!r} is neither waiting nor running")
         return request
@@ -271,6 +281,10 @@ class ReferenceScheduler:
         ops = self._take_free_ops()
         num_frees = len(ops)
         num_running, admissions = self._plan(ops)
+        if self.config.expect_waiting:
+            expects = self._expect_ops(admissions)
+            ops[:0] = expects  # first: a preempted request's blocks, freed after, land as expected
+            num_frees += len(expects)
         if not ops:
             return []
         started = time.perf_counter()
@@ -337,6 +351,25 @@ class ReferenceScheduler:
         uncomputed = {manager_id: count for manager_id, count in to_free.items() if count is not None}
         if uncomputed:
             ops.append(FreeOp(list(uncomputed), list(uncomputed.values())))
+        return ops
+
+    def _expect_ops(self, admissions: list[Request]) -> list[Op]:
+        """An ExpectOp for each waiting request not expected yet, but for those this step tries to admit (they
+        stay in `unexpected`, in case the manager refuses them)."""
+        if not self.unexpected:
+            return []
+        ops: list[Op] = []
+        admitting = {id(request) for request in admissions}
+        unexpected = []
+        for request in self.unexpected:
+            if request.num_sent or request.expected:
+                continue  # admitted since (maybe finished already)
+            if id(request) in admitting:
+                unexpected.append(request)
+            else:
+                ops.append(ExpectOp(request.manager_id, request.token_ids))
+                request.expected = True
+        self.unexpected = unexpected
         return ops
 
     def run(self) -> None:
@@ -470,6 +503,7 @@ class ReferenceScheduler:
         self.waiting.remove(request)
         self.running.append(request)
         request.running = True
+        request.expected = False  # the admission ended the manager's expectation
         counters = self.counters
         counters.num_admitted += 1
         counters.num_readmitted += request.num_preemptions > 0
@@ -541,5 +575,6 @@ class ReferenceScheduler:
         victim.manager_id = manager_id_of(victim.request_id, victim.num_preemptions)
         victim.num_sent = victim.num_computed_tokens = 0
         self.waiting.appendleft(victim)
+        self.unexpected.append(victim)
         log.info("preempted %s: %s; it will be recomputed", victim.request_id, why,
                  extra={"request_id": victim.request_id, "attempt": victim.num_preemptions})  # fmt: skip

@@ -49,6 +49,12 @@ def add_pool_flags(
         "(default: the config file's retention_max_pinned_blocks, else a tenth of --num-blocks)",
     )  # fmt: skip
     group.add_argument(
+        "--max-expected-blocks", type=non_negative_int, metavar="N",
+        help="hash blocks that expected requests' prompts (expect ops) may keep at once, all together; an "
+        "expectation past the room keeps the prefix that fits; 0 ignores expect ops (default: the config "
+        "file's max_expected_blocks, else 16 per pool block)",
+    )  # fmt: skip
+    group.add_argument(
         "--eviction-policy", choices=[p.value for p in EvictionPolicy] + list(reference_orders), metavar="POLICY",
         help="which free cached block is reused first: lru, the least recently used (vLLM's order); "
         "frequency, the one whose hash was seen least often, in a history of 4 hashes per block that "
@@ -137,6 +143,8 @@ def build_config(args: argparse.Namespace, **overrides: Any) -> KVCacheConfig:
         values["num_host_blocks"] = args.num_host_blocks
     if args.retention_max_pinned_blocks is not None:
         values["retention_max_pinned_blocks"] = args.retention_max_pinned_blocks
+    if args.max_expected_blocks is not None:
+        values["max_expected_blocks"] = args.max_expected_blocks
     if args.eviction_policy in {p.value for p in EvictionPolicy}:  # else a reference order its command handles
         values["eviction_policy"] = args.eviction_policy
     values.update(overrides)

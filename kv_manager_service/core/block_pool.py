@@ -21,6 +21,9 @@ FREQUENCY_CLASSES = 4
 HISTORY_PER_BLOCK = 4
 """Under frequency: the hashes the history remembers, per block of the pool."""
 
+RANK_SPAN = 1 << 62
+"""The rank keys of one band (see BlockPool): more than the expectations a pool will ever number."""
+
 
 class BlockPool:
     """Owns every block, the free queue and the hash -> block map of each group.
@@ -41,17 +44,25 @@ class BlockPool:
     blocks of key 0, then the free cached blocks of each key, lowest first,
     each segment in LRU order. So a free block is evicted only after every
     free block of a lower key; a freed block goes to the end of its key's
-    segment. The key is fixed when the block is freed:
+    segment. The key is its rank key (`rank_key`), times FREQUENCY_CLASSES
+    under frequency plus its frequency class:
 
-    - lru (the default): its retention priority (docs/retention.md). While no
-      block has one, the whole queue is the one segment above, vLLM's order.
-    - frequency: its retention priority times FREQUENCY_CLASSES, plus how
-      often its hash was seen (cached after a computation, or hit), less
-      one, capped at FREQUENCY_CLASSES - 1. The counts live in `seen`, a
-      history of the last `history_size` hashes seen, which outlives
-      eviction (as S3-FIFO's ghost queue does): a recomputed block whose
-      hash came back counts as frequent. A block seen once is evicted first;
-      priorities still dominate.
+    - the rank key: its band, twice its retention priority p
+      (docs/retention.md), plus one while an expected request's prompt holds
+      its hash (`wanted`, core/expectations.py); in band 2p + 1, the earlier
+      the first of those requests was expected, the higher the key, as it
+      will be admitted sooner. The rank key always follows the state: a
+      free block whose hash starts or stops being wanted, or whose first
+      expected request changes, moves to the end of its new key's segment
+      (`_rekey`). While no block has a priority and nothing is expected, the
+      whole queue under lru is the one segment above, vLLM's order.
+    - frequency: how often its hash was seen (cached after a computation, or
+      hit), less one, capped at FREQUENCY_CLASSES - 1, fixed when the key
+      is set. The counts live in `seen`, a history of the last
+      `history_size` hashes seen, which outlives eviction (as S3-FIFO's
+      ghost queue does): a recomputed block whose hash came back counts as
+      frequent. A block seen once is evicted first; the rank key still
+      dominates.
     - a `ranker` (`set_ranker`) gives the key instead: offline reference
       orders for the replay (kv_tooling/eviction_oracle.py), never a server's.
     """
@@ -101,6 +112,9 @@ class BlockPool:
         # `history_size` hashes. Empty under lru.
         self.seen: OrderedDict[BlockHash, int] = OrderedDict()
         self.history_size = HISTORY_PER_BLOCK * num_blocks
+        # hash -> the sequence numbers of the expected requests whose prompts hold it, ascending
+        # (core/expectations.py); empty while nothing is expected.
+        self.wanted: dict[BlockHash, list[int]] = {}
 
     # -- queries ---------------------------------------------------------------
 
@@ -194,7 +208,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 (to_head if block.block_hash is None else to_tail).append(block)
         self.free_queue.prepend_n(to_head)
-        if self.priorities or self.keyed:
+        if self.priorities or self.keyed or self.wanted:
             self._append_to_segments(to_tail)
         else:
             self.free_queue.append_n(to_tail)
@@ -304,19 +318,91 @@ class BlockPool:
         """The key the cached `block` gets when it is freed now."""
         if self.ranker is not None:
             return self.ranker(block)
-        priority = self.priorities.get(block, 0) if self.priorities else 0
+        if not (self.priorities or self.wanted):
+            return self._frequency_class(block.block_hash) if self.by_frequency else 0
+        key = self.rank_key(block)
         if not self.by_frequency:
-            return priority
-        return priority * FREQUENCY_CLASSES + self._frequency_class(block.block_hash)
+            return key
+        return key * FREQUENCY_CLASSES + self._frequency_class(block.block_hash)
+
+    def rank_key(self, block: KVCacheBlock) -> int:
+        """A cached block's rank key now (see the class docstring): 2p * RANK_SPAN, or, while its hash is wanted,
+        (2p + 2) * RANK_SPAN - 1 - the first expected request's sequence number."""
+        priority = self.priorities.get(block, 0) if self.priorities else 0
+        holders = self.wanted.get(block.block_hash) if self.wanted else None
+        if holders:
+            return (2 * priority + 2) * RANK_SPAN - 1 - holders[0]
+        return 2 * priority * RANK_SPAN
+
+    def want(self, block_hashes: Sequence[BlockHash], seq: int) -> None:
+        """The expected request of sequence number `seq`, higher than any expected now, holds `block_hashes`
+        (its prompt's, in order)."""
+        wanted = self.wanted
+        newly = []
+        for block_hash in block_hashes:
+            holders = wanted.get(block_hash)
+            if holders is None:
+                wanted[block_hash] = [seq]
+                newly.append(block_hash)
+            else:
+                holders.append(seq)
+        self._rekey(newly)
+        if self.host_tier is not None and newly:
+            self.host_tier.refresh(newly)
+
+    def unwant(self, block_hashes: Sequence[BlockHash], seq: int) -> None:
+        """Undo `want(block_hashes, seq)`."""
+        wanted = self.wanted
+        changed = []
+        for block_hash in block_hashes:
+            holders = wanted[block_hash]
+            first = holders[0]
+            holders.remove(seq)
+            if not holders:
+                del wanted[block_hash]
+                changed.append(block_hash)
+            elif first == seq:
+                changed.append(block_hash)
+        self._rekey(changed)
+
+    def _rekey(self, block_hashes: list[BlockHash]) -> None:
+        """The free cached blocks of `block_hashes`, whose rank key just changed, move to the end of their new
+        key's segment, a prompt's last blocks first, so they are evicted before the blocks they extend."""
+        if self.ranker is not None or not self.enable_caching:
+            return
+        moved = []
+        for block_hash in reversed(block_hashes):
+            for cached in self.cached:
+                entry = cached.get(block_hash)
+                if entry is None:
+                    continue
+                for block in (entry,) if type(entry) is KVCacheBlock else entry.values():
+                    if block.ref_cnt == 0:  # a cached block is in the free queue exactly then
+                        moved.append(block)
+        if not moved:
+            return
+        for block in moved:
+            self._leave_segment(block)
+            self.free_queue.remove(block)
+        self._append_to_segments(moved)
 
     def _frequency_class(self, block_hash: BlockHash) -> int:
         return self.seen.get(block_hash, 1) - 1
 
-    def restore_segments(self, segment_keys: dict[KVCacheBlock, int] | None = None) -> None:
-        """Find the segments in the free queue, as restored (core/state.py) with `priorities` and, under
-        frequency, the free blocks' `segment_keys` (under lru they are the free blocks' priorities)."""
-        if segment_keys is None:
-            segment_keys = {block: p for block, p in self.priorities.items() if block.prev_free is not None}
+    def restore_segments(self, frequency_classes: dict[KVCacheBlock, int] | None = None) -> None:
+        """Find the segments in the free queue, as restored (core/state.py) with `priorities`, `wanted` and,
+        under frequency, the free blocks' `frequency_classes` (those above 0): the rank keys follow from the
+        state (see the class docstring)."""
+        segment_keys = {}
+        if self.priorities or self.wanted or frequency_classes:
+            classes = frequency_classes or {}
+            for block in self.free_queue:
+                if block.block_hash is not None:
+                    key = self.rank_key(block)
+                    if self.by_frequency:
+                        key = key * FREQUENCY_CLASSES + classes.get(block, 0)
+                    if key:
+                        segment_keys[block] = key
         self.segment_keys = segment_keys
         self._segment_heads = {}
         for block in self.free_queue:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.core.host_index import EMPTY, HostIndex, HostKeys
@@ -186,6 +186,17 @@ class HostTier:
         self.pending.append((self.step_id, block_id, block_hash, copy, False))
         self.offloads.append(copy)
         self.num_offloaded_blocks += 1
+
+    def refresh(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Newly expected prompts hold `block_hashes` (in prompt order): their free host blocks become the most
+        recently used, a prompt's first blocks last, so the host keeps what the queue will ask for."""
+        index, free_queue, ref_cnts = self.index, self.free_queue, self.ref_cnts
+        for block_hash in reversed(block_hashes):
+            for group_id in range(index.num_groups):
+                block_id = index.get(group_id, block_hash)
+                if block_id != EMPTY and ref_cnts[block_id] == 0:
+                    free_queue.remove(block_id)
+                    free_queue.append(block_id)
 
     # -- the manager's calls --------------------------------------------------------
 

@@ -27,6 +27,7 @@ def check_invariants(manager: "KVCacheManager") -> None:
     holders = [0] * pool.num_blocks
     stale = [request_id for request_id in manager.lost if request_id not in manager.requests]
     assert not stale, f"lost requests {stale} are not live"
+    check_expectation_invariants(manager)
     for request in manager.requests.values():
         assert 0 <= request.num_computed_tokens <= request.num_tokens, (
             f"{request.request_id}: computed {request.num_computed_tokens} > tokens {request.num_tokens}"
@@ -134,13 +135,33 @@ def check_retention_invariants(manager: "KVCacheManager") -> None:
     check_segment_invariants(pool)
 
 
+def check_expectation_invariants(manager: "KVCacheManager") -> None:
+    """Expected requests (expectations.py): none is live, they hold at most the room's blocks, and the
+    pool's `wanted` lists exactly the sequence numbers of the expectations holding each kept hash, ascending."""
+    expectations = manager.expectations
+    both = [request_id for request_id in expectations.by_request if request_id in manager.requests]
+    assert not both, f"requests {both[:4]} are both live and expected"
+    assert expectations.by_request.keys() == expectations.seqs.keys()
+    seqs = list(expectations.seqs.values())
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) and all(s < expectations.next_seq for s in seqs)
+    holders: dict = {}
+    for request_id, hashes in expectations.by_request.items():
+        for block_hash in hashes:
+            holders.setdefault(block_hash, []).append(expectations.seqs[request_id])
+    num_kept = sum(len(hashes) for hashes in expectations.by_request.values())
+    assert expectations.num_blocks == num_kept <= expectations.max_blocks, (
+        f"expectations count {expectations.num_blocks} blocks, hold {num_kept}, room {expectations.max_blocks}"
+    )
+    assert holders == manager.pool.wanted, "the pool's wanted hashes are not the expected prompts' kept hashes"
+
+
 def check_segment_invariants(pool: BlockPool) -> None:
     """The free queue's segments (BlockPool): keys never decrease from head to tail, each segment's
     recorded head is its first block, and the segment list names exactly the keys the queue holds, in
-    ascending order. Only free cached blocks have a key, and it is the one their policy gives: their
-    priority under lru; under frequency that priority's band (a block's frequency class is fixed when it
-    is freed, so only the band is checked); a replay's ranker owns its keys. The frequency history stays
-    within its size and its counts within 1..FREQUENCY_CLASSES, empty under lru.
+    ascending order. Only free cached blocks have a key, and its rank key is the one the state gives now
+    (under frequency the class is fixed when the key is set, so only the rank key is checked); a replay's
+    ranker owns its keys. The frequency history stays within its size and its counts within
+    1..FREQUENCY_CLASSES, empty under lru.
     """
     heads: dict[int, KVCacheBlock] = {}
     last_key = 0
@@ -150,6 +171,13 @@ def check_segment_invariants(pool: BlockPool) -> None:
         last_key = key
         if key:
             heads.setdefault(key, block)
+        if pool.ranker is None and block.block_hash is not None:
+            rank_key = key // FREQUENCY_CLASSES if pool.by_frequency else key
+            assert rank_key == pool.rank_key(block), (
+                f"{block} is in segment {key} ({pool.eviction_policy.value}) but its rank key is "
+                f"{pool.rank_key(block)}: priority {pool.priorities.get(block, 0)}, "
+                f"wanted by {pool.wanted.get(block.block_hash)}"
+            )
     assert heads == pool._segment_heads and pool._segment_order == sorted(heads), (
         f"segments {sorted(pool._segment_heads)} (order {pool._segment_order}) but the queue holds {sorted(heads)}"
     )
@@ -157,14 +185,6 @@ def check_segment_invariants(pool: BlockPool) -> None:
         assert key > 0 and block.block_hash is not None and block.prev_free is not None, (
             f"{block} has segment key {key} but is not a free cached block"
         )
-        if pool.ranker is None:
-            priority = pool.priorities.get(block, 0)
-            band = key // FREQUENCY_CLASSES if pool.by_frequency else key
-            assert band == priority, (
-                f"{block} of priority {priority} is in segment {key} ({pool.eviction_policy.value})"
-            )
-    unkeyed = [b for b in pool.priorities if b.prev_free is not None and b not in pool.segment_keys]
-    assert not unkeyed, f"free blocks {unkeyed[:4]} have a priority but no segment"
     assert len(pool.seen) <= pool.history_size and (pool.by_frequency or not pool.seen), (
         f"the frequency history holds {len(pool.seen)} hashes (at most {pool.history_size}, {pool.eviction_policy.value})"
     )

@@ -24,6 +24,7 @@ from kv_manager_service.core.block_pool import BlockPool
 from kv_manager_service.core.block_queue import KVCacheBlock
 from kv_manager_service.shared.config import KVCacheConfig
 from kv_manager_service.core.coordinator import KVCacheCoordinator
+from kv_manager_service.core.expectations import Expectations
 from kv_manager_service.shared.errors import (
     InvalidArgumentError,
     OutOfRangeError,
@@ -43,6 +44,8 @@ from kv_manager_service.shared.ops import (
     CacheHit,
     DecodeBatch,
     DecodeResults,
+    ExpectOp,
+    ExpectResult,
     ForkOp,
     ForkResult,
     FreeOp,
@@ -93,7 +96,9 @@ class KVCacheManager:
         ]
         self.coordinator = KVCacheCoordinator(self.managers, config.lcm_block_size)
         self.requests: dict[str, RequestState] = {}
-        self._validator = StepValidator(self.requests, config)
+        # Waiting requests told ahead (expectations.py).
+        self.expectations = Expectations(self.pool, config.expected_blocks_room)
+        self._validator = StepValidator(self.requests, self.expectations, config)
         self.last_step_id = 0
         # Copies not yet acknowledged, in step order. Each retains both ends:
         # one reference on src and one on dst, counted in `_retained`.
@@ -204,6 +209,8 @@ class KVCacheManager:
                         if result.status is ok:
                             table = self.block_table(request_id)
                             rows_added.append(table._replace(num_hit_tokens=result.num_computed_tokens))
+                            if self.expectations.by_request and request_id in self.expectations:
+                                self.expectations.end(request_id)  # after its hit left the free queue
                     elif self.lost and request_id in self.lost:
                         result = AllocateResult(
                             AllocateStatus.KV_LOST, request.num_computed_tokens, 0, self._no_groups, (), step_id
@@ -214,10 +221,16 @@ class KVCacheManager:
                         result = self._with_tier_copies(result, num_offloads, num_onloads)
                     results.append(result)
                 elif type(op) is FreeOp:
+                    request_ids = op.request_ids
+                    if self.expectations.by_request:
+                        request_ids = self._withdraw_expected(request_ids)
                     for request_id, num_computed in zip(op.request_ids, op.num_computed_tokens):
-                        uncache_past(self, self.requests[request_id], num_computed)
-                    results.append(FreeResult(self._free(op.request_ids), step_id))
-                    requests_freed += op.request_ids
+                        if request_id in self.requests:
+                            uncache_past(self, self.requests[request_id], num_computed)
+                    results.append(FreeResult(self._free(request_ids), step_id))
+                    requests_freed += request_ids
+                elif type(op) is ExpectOp:
+                    results.append(self._expect(op, step_id))
                 else:
                     self._fork(op.parent_request_id, op.child_request_ids)
                     results.append(ForkResult(step_id))
@@ -865,6 +878,24 @@ class KVCacheManager:
             for table in request.tables:
                 num_freed += self.pool.free_blocks(reversed(table))
         return num_freed
+
+    def _expect(self, op: ExpectOp, step_id: int) -> ExpectResult:
+        hashes = []
+        if self.enable_caching:
+            hashes = self._prompt_hashes(op.token_ids, op.cache_salt, op.lora, op.mm_features)
+        num_kept = self.expectations.expect(op.request_id, hashes)
+        return ExpectResult(num_kept * self.hash_block_size, step_id)
+
+    def _withdraw_expected(self, request_ids: Sequence[str]) -> list[str]:
+        """End the expectations among `request_ids`; returns the others, the live requests to free."""
+        expectations = self.expectations
+        live = []
+        for request_id in request_ids:
+            if request_id in expectations:
+                expectations.end(request_id)
+            else:
+                live.append(request_id)
+        return live
 
     def _fork(self, parent_request_id: str, child_request_ids: Sequence[str]) -> None:
         parent = self.requests[parent_request_id]

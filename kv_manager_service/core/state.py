@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from kv_manager_service.core.block_pool import FREQUENCY_CLASSES, BlockPool
 from kv_manager_service.core.block_queue import FreeBlockQueue, KVCacheBlock
 from kv_manager_service.core.hashing import NO_EXTRAS, BlockHash, HashExtras
 from kv_manager_service.core.host_index import EMPTY
@@ -94,10 +95,11 @@ class CoreState:
     `block_priorities` (block id, priority) of the cached blocks with a
     priority > 0, in block id order; `pins` oldest first; `num_pins_made`,
     the last pin id made (0: none). Under the frequency eviction policy
-    (BlockPool): `segment_keys`, (block id, key) of the free blocks with a
-    segment key > 0, in block id order (under lru they are the free blocks'
-    priorities, so empty), and `seen`, the frequency history, least recently
-    seen first (empty under lru).
+    (BlockPool): `frequency_classes`, (block id, class) of the free cached
+    blocks whose frequency class is above 0, in block id order, and `seen`,
+    the frequency history, least recently seen first (both empty under lru;
+    the rest of each free block's key follows from the state). `expected`: (request id, its kept block
+    hashes) per expected request, oldest first (core/expectations.py).
     """
 
     last_step_id: int
@@ -114,8 +116,9 @@ class CoreState:
     pins: tuple[PinExport, ...] = ()
     num_pins_made: int = 0
     num_unpinned_blocks: int = 0
-    segment_keys: tuple[tuple[int, int], ...] = ()
+    frequency_classes: tuple[tuple[int, int], ...] = ()
     seen: tuple[tuple[BlockHash, int], ...] = ()
+    expected: tuple[tuple[str, tuple[BlockHash, ...]], ...] = ()
 
 
 def export_state(manager: KVCacheManager) -> CoreState:
@@ -164,9 +167,17 @@ def export_state(manager: KVCacheManager) -> CoreState:
         ),
         pins.next_pin_id - 1,
         pins.num_unpinned_blocks,
-        tuple(sorted((b.block_id, key) for b, key in pool.segment_keys.items())) if pool.by_frequency else (),
+        _frequency_classes(pool),
         tuple(pool.seen.items()),
+        tuple(manager.expectations.by_request.items()),
     )
+
+
+def _frequency_classes(pool: BlockPool) -> tuple[tuple[int, int], ...]:
+    if not pool.by_frequency:
+        return ()
+    keys = pool.segment_keys.items()
+    return tuple(sorted((b.block_id, key % FREQUENCY_CLASSES) for b, key in keys if key % FREQUENCY_CLASSES))
 
 
 def _export_host_tier(host_tier: HostTier) -> HostTierState:
@@ -244,8 +255,15 @@ def restore_state(manager: KVCacheManager, state: CoreState) -> None:
         manager._pending_copies.append((step_id, src, dst))
     for block_id, priority in state.block_priorities:
         pool.priorities[block(block_id)] = priority
+    live_and_expected = [request_id for request_id, _ in state.expected if request_id in manager.requests]
+    if live_and_expected:
+        raise ValueError(f"the state's requests {live_and_expected[:4]} are both live and expected")
+    manager.expectations.restore(state.expected)  # before the segments: their rank keys count `wanted`
     if pool.by_frequency:
-        pool.restore_segments({block(block_id): key for block_id, key in state.segment_keys})
+        classes = {block(block_id): frequency_class for block_id, frequency_class in state.frequency_classes}
+        if any(not 0 < frequency_class < FREQUENCY_CLASSES for frequency_class in classes.values()):
+            raise ValueError(f"the state's frequency classes must lie in 1..{FREQUENCY_CLASSES - 1}")
+        pool.restore_segments(classes)
         if len(state.seen) > pool.history_size:
             raise ValueError(
                 f"the state's frequency history holds {len(state.seen)} hashes; this pool's holds {pool.history_size}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 from kv_manager_service.shared.config import KVCacheConfig
 from kv_manager_service.shared.errors import (
@@ -15,7 +15,16 @@ from kv_manager_service.shared.errors import (
     ResourceExhaustedError,
 )
 from kv_manager_service.core.hashing import MMFeature
-from kv_manager_service.shared.ops import MAX_RETENTION_PRIORITY, AllocateOp, DecodeBatch, ForkOp, FreeOp, Op, Retention
+from kv_manager_service.shared.ops import (
+    MAX_RETENTION_PRIORITY,
+    AllocateOp,
+    DecodeBatch,
+    ExpectOp,
+    ForkOp,
+    FreeOp,
+    Op,
+    Retention,
+)
 from kv_manager_service.core.request import RequestState
 
 MAX_TOKEN_ID = (1 << 32) - 1
@@ -25,12 +34,14 @@ _NO_RETENTION = Retention()
 class StepValidator:
     """Checks ops before a step applies any of them.
 
-    It reads the manager's live requests (the same dict, not a copy) and its
-    config; every mistake raises a typed error naming the field.
+    It reads the manager's live requests and expected request ids (the same
+    containers, not copies) and its config; every mistake raises a typed
+    error naming the field.
     """
 
-    def __init__(self, requests: dict[str, RequestState], config: KVCacheConfig) -> None:
+    def __init__(self, requests: dict[str, RequestState], expected: Container[str], config: KVCacheConfig) -> None:
         self.requests = requests
+        self.expected = expected
         self.config = config
 
     def validate_step(self, ops: Sequence[Op], decode: DecodeBatch | None = None) -> None:
@@ -52,12 +63,19 @@ class StepValidator:
                 elif kind is FreeOp:
                     if not op.request_ids:
                         raise InvalidArgumentError("free needs at least one request id", "request_ids")
+                    num_withdrawn = 0
                     for request_id in op.request_ids:
-                        self.get(request_id, "request_ids")
+                        if request_id in self.expected:
+                            num_withdrawn += 1
+                        else:
+                            self.get(request_id, "request_ids")
                     if op.num_computed_tokens:
                         self._validate_computed_counts(op)
                     named_ids = ((request_id, "request_ids") for request_id in op.request_ids)
-                    num_live -= len(set(op.request_ids))
+                    num_live -= len(set(op.request_ids)) - num_withdrawn
+                elif kind is ExpectOp:
+                    self._validate_expect(op)
+                    named_ids = ((op.request_id, "request_id"),)
                 elif kind is ForkOp:
                     num_live += self._validate_fork(op)
                     named_ids = (
@@ -96,7 +114,8 @@ class StepValidator:
                 "num_computed_tokens",
             )
         for request_id, count in zip(op.request_ids, counts):
-            scheduled = self.requests[request_id].num_computed_tokens
+            request = self.requests.get(request_id)
+            scheduled = 0 if request is None else request.num_computed_tokens  # an expected request has none
             if not isinstance(count, int) or not 0 <= count <= scheduled:
                 raise InvalidArgumentError(
                     f"request {request_id!r}: num_computed_tokens {count!r} must be an integer in 0..{scheduled} "
@@ -203,6 +222,30 @@ class StepValidator:
                 )
         return 0
 
+    def _validate_expect(self, op: ExpectOp) -> None:
+        """An expect op names a request neither live nor expected, with a prompt a first allocate could carry."""
+        request_id = op.request_id
+        if type(request_id) is not str or not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string", "request_id")
+        if request_id in self.requests:
+            raise RequestExistsError(
+                f"request {request_id!r} is live: only a waiting request is expected", "request_id"
+            )
+        if request_id in self.expected:
+            raise RequestExistsError(
+                f"request {request_id!r} is already expected; free its id to withdraw it first", "request_id"
+            )
+        if not op.token_ids:
+            raise InvalidArgumentError(f"the expect of request {request_id!r} must carry its prompt", "token_ids")
+        check_token_ids(op.token_ids, "token_ids")
+        if len(op.token_ids) > self.config.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r} would hold {len(op.token_ids)} tokens; the limit max_model_len is "
+                f"{self.config.max_model_len}",
+                "token_ids",
+            )
+        check_mm_features(tuple(op.mm_features), len(op.token_ids))
+
     def _check_retention(self, op: AllocateOp) -> None:
         """A first allocate's retention (docs/retention.md): a priority in range, a TTL >= 0, and a pin
         the quota could hold at all: a prompt whose full blocks alone exceed it is refused."""
@@ -248,6 +291,11 @@ class StepValidator:
                 raise InvalidArgumentError("child request ids must be non-empty strings", "child_request_ids")
             if child_id in self.requests:
                 raise RequestExistsError(f"request {child_id!r} already exists", "child_request_ids")
+            if child_id in self.expected:
+                raise RequestExistsError(
+                    f"request {child_id!r} is expected: admit it with an allocate, or free its id first",
+                    "child_request_ids",
+                )
         return len(children)
 
     def get(self, request_id: str, field: str) -> RequestState:

@@ -19,7 +19,9 @@ parts alive at once: 282 to 323 bytes, and 223 to 283 bytes more, for
 8 * 10^4 to 2.5 * 10^5 blocks; a host block 61 to 96 bytes, and 176 to
 271 more, for 4 * 10^4 to 10^6 host blocks), rounded up. The frequency eviction policy adds its history:
 4 hashes per block (core/block_pool.py HISTORY_PER_BLOCK) at 105 bytes an OrderedDict entry and 65 a
-hash no block holds any more (tracemalloc), and a snapshot's copy of it. A start whose estimate exceeds the memory available
+hash no block holds any more (tracemalloc), and a snapshot's copy of it. Expected requests' prompts
+(core/expectations.py) add up to their room's hashes, at 193 bytes each (tracemalloc). A start whose estimate
+exceeds the memory available
 to it (MemAvailable, or the cgroup's limit less its usage when lower) is
 refused with the figures; `--no-memory-check` skips the check.
 """
@@ -35,6 +37,8 @@ HOST_BYTES_PER_BLOCK = 128  # a host block, cached or not
 TRANSIENT_BYTES_PER_BLOCK = 320  # a block of either tier in a compaction's snapshot, or in a resync's tables
 FREQUENCY_BYTES_PER_BLOCK = 4 * 176  # the frequency history's 4 hashes per device block
 FREQUENCY_TRANSIENT_BYTES_PER_BLOCK = 4 * 128  # their copy in a compaction's snapshot
+EXPECTED_BYTES_PER_BLOCK = 200  # a hash an expected prompt keeps, no other holding it (tracemalloc: 193)
+EXPECTED_TRANSIENT_BYTES_PER_BLOCK = 48  # its place in a compaction's snapshot
 
 
 class MemoryEstimate(NamedTuple):
@@ -49,12 +53,19 @@ class MemoryEstimate(NamedTuple):
 
 
 def estimate_memory(
-    num_blocks: int, num_host_blocks: int, retention_bytes: int, by_frequency: bool = False
+    num_blocks: int,
+    num_host_blocks: int,
+    retention_bytes: int,
+    by_frequency: bool = False,
+    num_expected_blocks: int = 0,
 ) -> MemoryEstimate:
     """The manager's memory at its worst for a pool of `num_blocks` device and `num_host_blocks` host blocks,
-    `by_frequency` with the frequency eviction policy's history."""
+    `by_frequency` with the frequency eviction policy's history, and expected prompts keeping up to
+    `num_expected_blocks` hashes."""
     blocks = num_blocks * BYTES_PER_BLOCK + num_host_blocks * HOST_BYTES_PER_BLOCK
+    blocks += num_expected_blocks * EXPECTED_BYTES_PER_BLOCK
     transient = (num_blocks + num_host_blocks) * TRANSIENT_BYTES_PER_BLOCK
+    transient += num_expected_blocks * EXPECTED_TRANSIENT_BYTES_PER_BLOCK
     if by_frequency:
         blocks += num_blocks * FREQUENCY_BYTES_PER_BLOCK
         transient += num_blocks * FREQUENCY_TRANSIENT_BYTES_PER_BLOCK

@@ -21,6 +21,8 @@ def pool_description(config: KVCacheConfig) -> str:
         values.pop("num_host_blocks", None)
     if values.get("retention_max_pinned_blocks") is None:  # the default: as journals written before retention
         values.pop("retention_max_pinned_blocks", None)
+    if values.get("max_expected_blocks") is None:  # the default: as journals written before expectations
+        values.pop("max_expected_blocks", None)
     if values.get("eviction_policy") == "lru":  # the default: as journals written before the policies
         values.pop("eviction_policy", None)
     seed = values.pop("hash_seed", None)

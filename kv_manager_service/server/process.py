@@ -276,7 +276,9 @@ def memory_estimate(config: KVCacheConfig, options: ServerOptions) -> MemoryEsti
     limits = options.limits
     retention = limits.step_retention_bytes + limits.event_retention_bytes + limits.idempotency_retention_bytes
     by_frequency = config.eviction_policy is EvictionPolicy.FREQUENCY
-    return estimate_memory(config.num_blocks, config.num_host_blocks, retention, by_frequency)
+    return estimate_memory(
+        config.num_blocks, config.num_host_blocks, retention, by_frequency, config.expected_blocks_room
+    )
 
 
 def build_replica(config: KVCacheConfig, options: ServerOptions) -> Replica:

@@ -106,10 +106,11 @@ def core_to_proto(state: CoreState) -> jpb.CoreSnapshot:
         ],
         num_pins_made=state.num_pins_made,
         num_unpinned_blocks=state.num_unpinned_blocks,
-        segment_block_ids=[block_id for block_id, _ in state.segment_keys],
-        segment_keys=[key for _, key in state.segment_keys],
+        frequency_class_block_ids=[block_id for block_id, _ in state.frequency_classes],
+        frequency_classes=[frequency_class for _, frequency_class in state.frequency_classes],
         seen_hashes=[block_hash for block_hash, _ in state.seen],
         seen_counts=[count for _, count in state.seen],
+        expected=[jpb.ExpectedSnapshot(request_id=rid, block_hashes=kept) for rid, kept in state.expected],
     )
 
 
@@ -118,8 +119,8 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         raise ValueError("the snapshot's cached blocks have lists of different lengths")
     if len(message.priority_block_ids) != len(message.priorities):
         raise ValueError("the snapshot's block priorities have lists of different lengths")
-    if len(message.segment_block_ids) != len(message.segment_keys):
-        raise ValueError("the snapshot's segment keys have lists of different lengths")
+    if len(message.frequency_class_block_ids) != len(message.frequency_classes):
+        raise ValueError("the snapshot's frequency classes have lists of different lengths")
     if len(message.seen_hashes) != len(message.seen_counts):
         raise ValueError("the snapshot's frequency history has lists of different lengths")
     return CoreState(
@@ -137,8 +138,9 @@ def core_from_proto(message: jpb.CoreSnapshot) -> CoreState:
         tuple(PinExport(p.pin_id, p.request_id, p.ttl_ms, tuple(p.block_ids)) for p in message.pins),
         message.num_pins_made,
         message.num_unpinned_blocks,
-        tuple(zip(message.segment_block_ids, message.segment_keys)),
+        tuple(zip(message.frequency_class_block_ids, message.frequency_classes)),
         tuple(zip(map(BlockHash, message.seen_hashes), message.seen_counts)),
+        tuple((e.request_id, tuple(map(BlockHash, e.block_hashes))) for e in message.expected),
     )
 
 

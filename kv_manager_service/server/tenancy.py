@@ -135,6 +135,11 @@ class Tenancy:
                 request.idempotency_key = tenant + SEPARATOR + request.idempotency_key
         elif kind is pb.FindCacheHitRequest:
             request.cache_salt = self._salt(tenant, request.cache_salt)
+        elif kind is pb.ExpectRequest:
+            # As a priority would, it keeps one tenant's blocks at the expense of the others'.
+            raise FailedPreconditionError(
+                "expect ops are not available in multi-tenant mode (docs/host-tier.md, expected requests)", "expect"
+            )
         else:
             raise AssertionError(f"no tenant scope for {kind.__name__}")
 

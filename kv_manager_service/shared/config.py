@@ -62,6 +62,11 @@ class EvictionPolicy(str, enum.Enum):
     FREQUENCY = "frequency"
 
 
+EXPECTED_BLOCKS_PER_BLOCK = 16
+"""The default room of expected prompts, per pool block: a queue deep enough to want more than the pool holds
+is where their order pays (BENCHMARKS.md)."""
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """Everything the core needs to know about one pool; checked on construction.
@@ -75,6 +80,9 @@ class KVCacheConfig:
     `retention_max_pinned_blocks` caps the distinct blocks that retention
     pins hold at once (docs/retention.md); None, the default, is a tenth of
     the pool (`max_pinned_blocks`), and 0 turns pins off.
+    `max_expected_blocks` caps the hash blocks that expected requests'
+    prompts keep at once (core/expectations.py); None, the default, is
+    EXPECTED_BLOCKS_PER_BLOCK per pool block (`expected_blocks_room`).
     """
 
     num_blocks: int
@@ -88,6 +96,7 @@ class KVCacheConfig:
     num_host_blocks: int = 0
     retention_max_pinned_blocks: int | None = None
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    max_expected_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
@@ -131,6 +140,18 @@ class KVCacheConfig:
                 f"retention_max_pinned_blocks must be an integer in 0..{self.num_blocks - 1} (the pool's blocks), "
                 f"got {limit!r}"
             )
+
+        room = self.max_expected_blocks
+        if room is not None and (type(room) is not int or room < 0):
+            raise ValueError(f"max_expected_blocks must be an integer >= 0, got {room!r}")
+
+    @property
+    def expected_blocks_room(self) -> int:
+        """The hash blocks expected prompts may keep: `max_expected_blocks`, by default EXPECTED_BLOCKS_PER_BLOCK
+        per pool block."""
+        if self.max_expected_blocks is None:
+            return EXPECTED_BLOCKS_PER_BLOCK * self.num_blocks
+        return self.max_expected_blocks
 
     @property
     def max_pinned_blocks(self) -> int:

@@ -129,7 +129,23 @@ class ForkOp(NamedTuple):
     child_request_ids: Sequence[str]
 
 
-Op = Union[AllocateOp, FreeOp, ForkOp]
+class ExpectOp(NamedTuple):
+    """A request the scheduler has queued and will admit later, with its prompt (core/expectations.py).
+
+    Until its first allocate (which must repeat the same prompt to hit what
+    was kept) or a free of its id, the cached blocks of `token_ids` are
+    evicted after the blocks no expected request needs. `cache_salt`, `lora`
+    and `mm_features` are those its first allocate will carry.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+    lora: LoraRef | None = None
+    mm_features: tuple[MMFeature, ...] = ()
+
+
+Op = Union[AllocateOp, FreeOp, ForkOp, ExpectOp]
 
 
 class DecodeBatch(NamedTuple):
@@ -199,7 +215,12 @@ class ForkResult(NamedTuple):
     step_id: int
 
 
-OpResult = Union[AllocateResult, FreeResult, ForkResult]
+class ExpectResult(NamedTuple):
+    num_expected_tokens: int  # the prompt's leading tokens kept as expected, within the room; a hash block's multiple
+    step_id: int
+
+
+OpResult = Union[AllocateResult, FreeResult, ForkResult, ExpectResult]
 
 
 class CacheHit(NamedTuple):

@@ -5,34 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from kv_manager_service.core import GroupKind, GroupSpec, KVCacheConfig, KVCacheManager
+from pool_support import cached_blocks, prompt, run
+from pool_support import make_manager as make_pool
+
+from kv_manager_service.core import KVCacheConfig, KVCacheManager
 from kv_manager_service.core.block_pool import FREQUENCY_CLASSES, HISTORY_PER_BLOCK
 from kv_manager_service.shared.ops import Retention
 
-BLOCK = 4
-
 
 def make_manager(num_blocks: int = 13, policy: str = "frequency") -> KVCacheManager:
-    return KVCacheManager(
-        KVCacheConfig(
-            num_blocks=num_blocks, groups=(GroupSpec(GroupKind.FULL_ATTENTION, BLOCK),), eviction_policy=policy
-        )
-    )
-
-
-def prompt(seed: int, num_blocks: int) -> list[int]:
-    return [seed * 1000 + i for i in range(num_blocks * BLOCK)]
-
-
-def run(m: KVCacheManager, request_id: str, tokens: list[int], retention: Retention | None = None) -> None:
-    """Admit `tokens` plus one token (so every prompt block is full and cached), then free the request."""
-    m.allocate(request_id, tokens + [9], len(tokens) + 1, retention=retention)
-    m.free([request_id])
-    m.check_invariants()
-
-
-def cached_blocks(m: KVCacheManager, tokens: list[int]) -> int:
-    return len(m.find_cache_hit(tokens + [9]).block_ids[0])
+    return make_pool(num_blocks, policy)
 
 
 @pytest.mark.parametrize("policy, survivor", [("lru", "recent"), ("frequency", "frequent")])

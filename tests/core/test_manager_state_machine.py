@@ -41,6 +41,8 @@ from kv_manager_service.core import (
     CacheHit,
     DecodeBatch,
     EvictionPolicy,
+    ExpectOp,
+    ExpectResult,
     FailedPreconditionError,
     ForkOp,
     ForkResult,
@@ -148,6 +150,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.host_event_model: Counter = Counter()  # the host tier's hash index, replayed from its events
         self.next_request = 0
         self.prompts: list[tuple[int, ...]] = []
+        self.expected: dict[str, AllocateOp] = {}  # expected request id -> the first allocate it was expected with
 
     def make_config(self, data: st.DataObject) -> KVCacheConfig:
         raise NotImplementedError
@@ -350,6 +353,8 @@ class ManagerMachine(RuleBasedStateMachine):
             # A first call does not recycle: its only nulls are those of the adopted hit.
             self.assert_null_slots_are_unread(op.request_id, result.num_computed_tokens, exact=False)
             self.record_admitted(op)
+            self.expected.pop(op.request_id, None)  # the admission ends its expectation
+        assert (op.request_id in m.expectations) == (op.request_id in self.expected)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -446,6 +451,71 @@ class ManagerMachine(RuleBasedStateMachine):
             del self.tokens[rid], self.extras[rid]
             with pytest.raises(RequestNotFoundError):
                 m.block_table(rid)
+
+    @rule(data=st.data())
+    def expect(self, data: st.DataObject) -> None:
+        """A waiting request told ahead: it keeps the prompt's first blocks within the room, and changes no hit,
+        table, count or cached hash; only which free blocks go first."""
+        m = self.m
+        op = self.draw_first_call(data)
+        expect = ExpectOp(op.request_id, op.token_ids, op.cache_salt, op.lora, op.mm_features)
+        before = snapshot(m)
+        if len(op.token_ids) > MAX_MODEL_LEN:
+            with pytest.raises(InvalidArgumentError):
+                m.step((expect,))
+            self.assert_unchanged(before)
+            return
+        hit = m.find_cache_hit(op.token_ids, op.cache_salt, op.lora, op.mm_features)
+        room = m.expectations.max_blocks - m.expectations.num_blocks
+        num_blocks = len(op.token_ids) // m.hash_block_size if m.enable_caching else 0
+        result = m.step((expect,)).results[0]
+        assert result == ExpectResult(min(num_blocks, room) * m.hash_block_size, before["last_step_id"] + 1)
+        after = snapshot(m)
+        for key in ("tables", "requests", "pending_copies", "ref_cnts", "hashes", "cache_map", "events"):
+            assert after[key] == before[key], f"an expect op changed {key}"
+        assert sorted(after["free_queue"]) == sorted(before["free_queue"])
+        assert m.find_cache_hit(op.token_ids, op.cache_salt, op.lora, op.mm_features) == hit
+        self.expected[op.request_id] = op
+        event(f"expect: {result.num_expected_tokens} of {len(op.token_ids)} tokens kept")
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def admit_expected(self, data: st.DataObject) -> None:
+        self.run_first_call(self.expected[data.draw(st.sampled_from(sorted(self.expected)), label="expected")])
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def withdraw_expected(self, data: st.DataObject) -> None:
+        """A free of expected ids (with a live one, maybe) withdraws them and frees nothing of theirs."""
+        m = self.m
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.expected)), min_size=1, max_size=2, unique=True))
+        live = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), max_size=1)) if self.tokens else []
+        num_free_before = m.stats().num_free_blocks
+        result = m.free(ids + live)
+        assert m.stats().num_free_blocks - num_free_before == result.num_freed_blocks
+        for rid in ids:
+            del self.expected[rid]
+            assert rid not in m.expectations
+        for rid in live:
+            del self.tokens[rid], self.extras[rid]
+
+    @precondition(lambda self: self.expected or self.tokens)
+    @rule(data=st.data())
+    def rejected_expect(self, data: st.DataObject) -> None:
+        """An expect of a live or expected id, or a fork into an expected id, is refused and changes nothing."""
+        m = self.m
+        before = snapshot(m)
+        expected_before = dict(m.expectations.by_request)
+        taken = data.draw(st.sampled_from(sorted(self.expected) + sorted(self.tokens)), label="taken")
+        if self.tokens and self.expected and data.draw(st.booleans(), label="as_fork_child"):
+            parent = data.draw(st.sampled_from(sorted(self.tokens)), label="parent")
+            op = ForkOp(parent, [data.draw(st.sampled_from(sorted(self.expected)), label="child")])
+        else:
+            op = ExpectOp(taken, [1, 2, 3])
+        with pytest.raises(RequestExistsError):
+            m.step((op,))
+        self.assert_unchanged(before)
+        assert m.expectations.by_request == expected_before
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -704,6 +774,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if m is None:
             return
         assert set(m.requests) == set(self.tokens)
+        assert set(m.expectations.by_request) == set(self.expected)
         assert m.stats().num_requests == len(self.tokens)
         for rid, tokens in self.tokens.items():
             request = m.requests[rid]

@@ -21,7 +21,15 @@ from kv_manager_service.server.journal_records import (
 )
 from kv_manager_service.server.replica import Replica
 from kv_manager_service.shared.hash_types import LoraRef, MMFeature
-from kv_manager_service.shared.ops import AllocateOp, DecodeBatch, ForkOp, FreeOp, KVLossCause, MissingKVReport
+from kv_manager_service.shared.ops import (
+    AllocateOp,
+    DecodeBatch,
+    ExpectOp,
+    ForkOp,
+    FreeOp,
+    KVLossCause,
+    MissingKVReport,
+)
 from kvcache.journal.v1 import journal_pb2 as jpb
 from kvcache.v1 import kv_manager_pb2 as pb
 
@@ -35,6 +43,7 @@ def test_every_entry_survives_its_record():
     )  # fmt: skip
     entries = [
         StepApplied([allocate, FreeOp(["b"], num_computed_tokens=[5]), ForkOp("c", ["c1", "c2"])], None, None),
+        StepApplied([ExpectOp("w", [4, 5, 6], "s", LoraRef("l", "/l"), (MMFeature("img", 1, 2),))], None, None),
         StepApplied([], DecodeBatch(["x", "y"], [7, 8]), StepKey("k", bytes(range(32)))),
         WorkerRegistered("w", 4, 99),
         StepsAcked("w", 5),

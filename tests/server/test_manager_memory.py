@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kv_manager_service.server.memory_budget import (
+    EXPECTED_BYTES_PER_BLOCK,
     FREQUENCY_BYTES_PER_BLOCK,
     available_memory,
     check_fits,
@@ -61,3 +62,9 @@ def test_the_frequency_policy_adds_its_history_to_the_estimate():
     lru, frequency = estimate_memory(100_000, 0, 0), estimate_memory(100_000, 0, 0, by_frequency=True)
     assert frequency.blocks - lru.blocks == 100_000 * FREQUENCY_BYTES_PER_BLOCK
     assert frequency.transient > lru.transient
+
+
+def test_expected_prompts_add_their_room_to_the_estimate():
+    none, room = estimate_memory(100_000, 0, 0), estimate_memory(100_000, 0, 0, num_expected_blocks=400_000)
+    assert room.blocks - none.blocks == 400_000 * EXPECTED_BYTES_PER_BLOCK
+    assert room.transient > none.transient

@@ -24,7 +24,7 @@ def test_a_frequency_core_survives_the_snapshot_and_behaves_the_same_after_it():
     m = KVCacheManager(CONFIG)
     traffic(m, range(12))
     state = m.export_state()
-    assert state.seen and state.segment_keys, "the traffic left a history and keyed free blocks"
+    assert state.seen and state.frequency_classes, "the traffic left a history and free blocks seen more than once"
     wire_bytes = core_to_proto(state).SerializeToString()
     restored = core_from_proto(jpb.CoreSnapshot.FromString(wire_bytes))
     assert restored == state

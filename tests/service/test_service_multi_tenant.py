@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from svc_support import chain_hashes, pool_config, register_worker, snapshot, take
 
 from kv_manager_service.client import KVManagerClient
-from kv_manager_service.core import AllocateStatus, FreeOp, RequestNotFoundError
+from kv_manager_service.core import AllocateStatus, ExpectOp, FailedPreconditionError, FreeOp, RequestNotFoundError
 from kv_manager_service.shared.ops import AllocateOp
 from kvcache.v1 import kv_manager_pb2 as pb
 
@@ -331,3 +331,11 @@ def test_multi_tenant_refuses_to_start_without_what_it_needs(tmp_path, extra, me
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
+
+
+def test_expect_ops_are_refused_in_multi_tenant_mode_and_change_nothing(tenants):
+    before = tenants.alice.stats()
+    with pytest.raises(FailedPreconditionError) as raised:
+        tenants.alice.step([ExpectOp("waiting", prompt(90, 32))])
+    assert raised.value.field == "expect" and "multi-tenant" in str(raised.value)
+    assert tenants.alice.stats() == before

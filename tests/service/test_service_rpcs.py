@@ -6,6 +6,7 @@ made and acknowledges every step, so each starts from an empty pool.
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -15,6 +16,8 @@ from kv_manager_service.core import (
     AllocateOp,
     AllocateResult,
     AllocateStatus,
+    ExpectOp,
+    ExpectResult,
     ForkOp,
     ForkResult,
     FreeOp,
@@ -27,6 +30,7 @@ from svc_support import (
     NO_SPACE,
     OK,
     alloc,
+    assert_error,
     connect,
     last_step_id,
     op_alloc,
@@ -36,6 +40,7 @@ from svc_support import (
     read_steps,
     register_worker,
     release_everything,
+    rpc_error,
     snapshot,
     stats,
     step_request,
@@ -503,3 +508,19 @@ def test_reflection_lists_and_describes_the_service(channel_and_stub):
         "GetConfig", "Allocate", "Free", "Fork", "FindCacheHit", "Step", "GetBlockTables",
         "WatchSteps", "AckSteps", "ResetPrefixCache", "GetStats", "WatchEvents",
     }
+
+
+def test_step_expect_keeps_a_waiting_prompt_and_a_free_withdraws_it(client, stub):
+    base = last_step_id(stub)
+    result = client.step([ExpectOp("x-waiting", prompt(15, 40)), AllocateOp("x-live", prompt(16, 8), 8)])
+    assert result.results[0] == ExpectResult(32, base + 1)  # two whole blocks of 16
+    raw = stub.Step(step_request([pb.StepOp(expect=pb.ExpectRequest(request_id="x-raw", token_ids=prompt(17, 16)))]))
+    assert raw.results[0].WhichOneof("result") == "expect"
+    assert (raw.results[0].expect.num_expected_tokens, raw.results[0].expect.step_id) == (16, base + 2)
+    error = rpc_error(stub.Step, step_request([pb.StepOp(expect=pb.ExpectRequest(request_id="x-live", token_ids=[1]))]))
+    assert_error(error, grpc.StatusCode.ALREADY_EXISTS, "REQUEST_EXISTS", "ops[0].request_id")
+    admitted = client.allocate("x-waiting", prompt(15, 40), 40)
+    assert admitted.status is AllocateStatus.OK
+    freed = client.step([FreeOp(["x-raw", "x-waiting", "x-live"])])
+    assert freed.results[0].num_freed_blocks == 3 + 1  # x-waiting's 3 blocks and x-live's 1; x-raw held none
+    assert set(tables(stub)).isdisjoint({"x-raw", "x-waiting", "x-live"})
