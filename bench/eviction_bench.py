@@ -1,4 +1,5 @@
-"""The core's cost of each eviction policy: the same replay under lru and frequency, round by round.
+"""The core's cost of each eviction policy: the same replay under lru and frequency, round by round, with and
+without expected requests.
 
 Replays the first N requests of the Mooncake trace through the core
 (`kv_tooling.replay`, `--arrivals asap`: no clock waits) in a pool small
@@ -6,7 +7,9 @@ enough to evict, once per policy per round, alternating, and reports the
 median wall time per scheduler step and the median ratio to lru within a
 round. The replay's scheduler runs in the same process, so the figures are an
 upper bound on the core's own share; what differs between the rows is the
-policy. Prefill tokens computed are the same every round (the replay is
+policy, and whether the scheduler tells the manager its waiting requests
+(expect ops, `SchedulerConfig.expect_waiting`; every request waits from the
+start). Prefill tokens computed are the same every round (the replay is
 deterministic) and are reported beside.
 
     python bench/eviction_bench.py                 # 400 requests, 20,000 blocks, 5 rounds
@@ -29,10 +32,20 @@ from kv_tooling.replay import ReplayConfig, replay  # noqa: E402
 from kv_tooling.workload import DEFAULT_TRACE, TokenExpander, load_trace  # noqa: E402
 
 
-def one_round(policy: EvictionPolicy, records, num_blocks: int) -> tuple[float, int, int]:
-    """(microseconds per step, steps, prefill tokens computed) of one replay under `policy`."""
+VARIANTS = {
+    "lru": (EvictionPolicy.LRU, False),
+    "lru + expect": (EvictionPolicy.LRU, True),
+    "frequency": (EvictionPolicy.FREQUENCY, False),
+    "frequency + expect": (EvictionPolicy.FREQUENCY, True),
+}
+
+
+def one_round(variant: str, records, num_blocks: int) -> tuple[float, int, int]:
+    """(microseconds per step, steps, prefill tokens computed) of one replay of `variant`."""
+    policy, expect_waiting = VARIANTS[variant]
     config = KVCacheConfig(num_blocks, groups=(GroupSpec(GroupKind.FULL_ATTENTION, 16),), eviction_policy=policy)
-    result = replay(KVCacheManager(config), records, TokenExpander(), ReplayConfig(arrivals="asap"))
+    settings = ReplayConfig(arrivals="asap", expect_waiting=expect_waiting)
+    result = replay(KVCacheManager(config), records, TokenExpander(), settings)
     return result.wall_s / result.num_steps * 1e6, result.num_steps, result.num_prefill_tokens_computed
 
 
@@ -47,24 +60,24 @@ def main() -> None:
     if args.quick:
         args.requests, args.rounds = 40, 2
     records = load_trace(args.trace, limit=args.requests)
-    policies = list(EvictionPolicy)
-    per_step: dict[EvictionPolicy, list[float]] = {p: [] for p in policies}
-    outcome: dict[EvictionPolicy, tuple[int, int]] = {}
+    variants = list(VARIANTS)
+    per_step: dict[str, list[float]] = {v: [] for v in variants}
+    outcome: dict[str, tuple[int, int]] = {}
     for round_index in range(args.rounds):
-        for policy in alternating(policies, round_index):
-            us, steps, computed = one_round(policy, records, args.num_blocks)
-            per_step[policy].append(us)
-            outcome[policy] = (steps, computed)
-        print_round(round_index, args.rounds, ", ".join(f"{p.value} {per_step[p][-1]:.0f} us/step" for p in policies))
+        for variant in alternating(variants, round_index):
+            us, steps, computed = one_round(variant, records, args.num_blocks)
+            per_step[variant].append(us)
+            outcome[variant] = (steps, computed)
+        print_round(round_index, args.rounds, ", ".join(f"{v} {per_step[v][-1]:.0f} us/step" for v in variants))
     print(f"\n`{command_line(__file__, None)}`: Python {platform.python_version()}, {platform.machine()}, "
           f"load averages {load_averages()}\n")  # fmt: skip
     print("| policy | wall per step (median of rounds) | rounds | / lru (per round) | steps | prefill tokens computed |")
     print("|---|---:|---:|---:|---:|---:|")
-    for policy in policies:
-        values = per_step[policy]
-        steps, computed = outcome[policy]
-        ratios = ratio_summary(per_round_ratios(values, per_step[EvictionPolicy.LRU]))
-        print(f"| {policy.value} | {statistics.median(values):,.0f} us | {min(values):,.0f}-{max(values):,.0f} us | "
+    for variant in variants:
+        values = per_step[variant]
+        steps, computed = outcome[variant]
+        ratios = ratio_summary(per_round_ratios(values, per_step["lru"]))
+        print(f"| {variant} | {statistics.median(values):,.0f} us | {min(values):,.0f}-{max(values):,.0f} us | "
               f"{ratios} | {steps:,} | {computed:,} |")  # fmt: skip
 
 
