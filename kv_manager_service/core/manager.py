@@ -460,6 +460,8 @@ class KVCacheManager:
             num_pins=len(self.pins.pins),
             num_pinned_blocks=len(self.pins.counts),
             num_unpinned_blocks=self.pins.num_unpinned_blocks,
+            num_expected_requests=len(self.expectations),
+            num_expected_blocks=self.expectations.num_blocks,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -31,6 +31,11 @@ Manager metrics (`kvcache_` prefix):
 | `kvcache_mirror_collected_replicas_total` | counter | gone replica ids those collections dropped from the replica set |
 | `kvcache_mirror_malformed_total{kind}` | counter | malformed Redis data the mirror skipped, by kind: `lease`, `replica_member`, `block_field`, `key_type` (mirror/schema.py `MALFORMED_KINDS`) |
 | `kvcache_mirror_errors_total` | counter | unexpected exceptions of the mirror's threads (logged with a traceback), which survived them |
+| `kvcache_num_pins` | gauge | live retention pins (docs/retention.md) |
+| `kvcache_num_pinned_blocks` | gauge | the distinct blocks they hold |
+| `kvcache_unpinned_blocks_total` | counter | blocks pins asked for that the quota had no room for |
+| `kvcache_num_expected_requests` | gauge | waiting requests told ahead by expect ops |
+| `kvcache_num_expected_blocks` | gauge | the hash blocks their prompts keep, within `--max-expected-blocks` |
 | `kvcache_host_num_blocks` | gauge | blocks of the host-memory tier (host-tier series only with `--num-host-blocks`) |
 | `kvcache_host_num_free_blocks` | gauge | host blocks free (cached free blocks included) |
 | `kvcache_host_usage_ratio` | gauge | share of the host blocks pinned by pending tier copies, 0..1 |
@@ -105,6 +110,14 @@ class ManagerCollector:
             (counter, "kvcache_evictions", "Cached blocks evicted to be reused.", stats.num_evictions),
             (gauge, "kvcache_num_pending_copies", "Block copies not yet acknowledged by every worker.",
              stats.num_pending_copies),
+            (gauge, "kvcache_num_pins", "Live retention pins.", stats.num_pins),
+            (gauge, "kvcache_num_pinned_blocks", "Distinct blocks the retention pins hold.", stats.num_pinned_blocks),
+            (counter, "kvcache_unpinned_blocks", "Blocks pins asked for that the pin quota had no room for.",
+             stats.num_unpinned_blocks),
+            (gauge, "kvcache_num_expected_requests", "Waiting requests told ahead by expect ops.",
+             stats.num_expected_requests),
+            (gauge, "kvcache_num_expected_blocks", "Hash blocks the expected requests' prompts keep.",
+             stats.num_expected_blocks),
             (gauge, "kvcache_last_step_id", "The last step id issued.", last_step_id),
             (gauge, "kvcache_last_event_sequence", "The sequence number of the last cache event logged.",
              last_event_sequence),

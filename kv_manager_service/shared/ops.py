@@ -343,3 +343,6 @@ class Stats(NamedTuple):
     num_pins: int = 0
     num_pinned_blocks: int = 0
     num_unpinned_blocks: int = 0
+    # Expected requests (core/expectations.py): how many, and the hash blocks their prompts keep.
+    num_expected_requests: int = 0
+    num_expected_blocks: int = 0

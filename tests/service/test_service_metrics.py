@@ -26,6 +26,7 @@ from svc_support import (
     connect,
     op_alloc,
     op_fork,
+    op_free,
     pool_config,
     release_everything,
     rpc_error,
@@ -117,6 +118,15 @@ def test_the_step_histogram_counts_every_step_call(metered):
     release_everything(stub, "metrics-test")
 
 
+def test_expected_requests_are_gauged(metered):
+    stub = metered.stub
+    stub.Step(step_request([pb.StepOp(expect=pb.ExpectRequest(request_id="m-waiting", token_ids=range(40)))]))
+    samples = scrape(metered.url)
+    assert (samples.get("kvcache_num_expected_requests"), samples.get("kvcache_num_expected_blocks")) == (1, 2)
+    stub.Step(step_request([op_free("m-waiting")]))  # withdraws it
+    assert scrape(metered.url).get("kvcache_num_expected_requests") == 0
+
+
 def test_pool_metrics_agree_with_get_stats(metered):
     stub = metered.stub
     prompt = list(range(100, 140))  # 2 full blocks and 8 tokens
@@ -139,6 +149,10 @@ def test_pool_metrics_agree_with_get_stats(metered):
     )
     assert samples.get("kvcache_evictions_total") == expected.num_evictions
     assert samples.get("kvcache_num_pending_copies") == expected.num_pending_copies
+    assert samples.get("kvcache_num_pins") == expected.num_pins == 0
+    assert samples.get("kvcache_num_pinned_blocks") == expected.num_pinned_blocks == 0
+    assert samples.get("kvcache_unpinned_blocks_total") == expected.num_unpinned_blocks == 0
+    assert samples.get("kvcache_num_expected_requests") == expected.num_expected_requests == 0
     assert samples.get("kvcache_last_step_id") == expected.last_step_id
     assert samples.get("kvcache_last_event_sequence") == expected.last_event_sequence
     assert samples.get("kvcache_mirror_enabled") == 0 and samples.has("kvcache_mirror_failures_total")

@@ -517,6 +517,8 @@ def test_step_expect_keeps_a_waiting_prompt_and_a_free_withdraws_it(client, stub
     raw = stub.Step(step_request([pb.StepOp(expect=pb.ExpectRequest(request_id="x-raw", token_ids=prompt(17, 16)))]))
     assert raw.results[0].WhichOneof("result") == "expect"
     assert (raw.results[0].expect.num_expected_tokens, raw.results[0].expect.step_id) == (16, base + 2)
+    figures = stats(stub)
+    assert (figures.num_expected_requests, figures.num_expected_blocks) == (2, 3)
     error = rpc_error(stub.Step, step_request([pb.StepOp(expect=pb.ExpectRequest(request_id="x-live", token_ids=[1]))]))
     assert_error(error, grpc.StatusCode.ALREADY_EXISTS, "REQUEST_EXISTS", "ops[0].request_id")
     admitted = client.allocate("x-waiting", prompt(15, 40), 40)
@@ -524,3 +526,4 @@ def test_step_expect_keeps_a_waiting_prompt_and_a_free_withdraws_it(client, stub
     freed = client.step([FreeOp(["x-raw", "x-waiting", "x-live"])])
     assert freed.results[0].num_freed_blocks == 3 + 1  # x-waiting's 3 blocks and x-live's 1; x-raw held none
     assert set(tables(stub)).isdisjoint({"x-raw", "x-waiting", "x-live"})
+    assert (stats(stub).num_expected_requests, stats(stub).num_expected_blocks) == (0, 0)
