@@ -306,6 +306,8 @@ def config_response(config: KVCacheConfig, replica_id: str, incarnation: int, ma
         max_num_requests=config.max_num_requests,
         max_tokens_per_call=max_tokens_per_call,
         num_host_blocks=config.num_host_blocks,
+        eviction_policy=config.eviction_policy.value,
+        max_expected_blocks=config.expected_blocks_room,
     )
     for group_id, spec in enumerate(config.groups):
         response.groups.add(

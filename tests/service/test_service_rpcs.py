@@ -99,6 +99,7 @@ def test_get_config_raw_and_typed(stub, client):
     assert config.enable_prefix_caching
     assert config.max_model_len > 0 and config.max_num_requests > 0
     assert config.max_tokens_per_call == 1 << 20  # the CLI default
+    assert (config.eviction_policy, config.max_expected_blocks) == ("lru", 16 * 64)  # the defaults
     assert client.get_config() == config
     assert stub.GetConfig(pb.GetConfigRequest()).incarnation == config.incarnation  # stable within one run
 
