@@ -4,7 +4,8 @@ A scheduler knows its waiting queue; the manager does not. An expect op
 (`ExpectOp`) gives it a waiting request's prompt: while the request is
 expected, every cached block its prompt holds is evicted only after the
 blocks no expected request needs (BlockPool's `wanted` band), so the prefix
-is still there at admission. Belady's order read from the queue is what
+is still there at admission, and its host-tier copies become the most
+recently used. Belady's order read from the queue is what
 this approximates (kv_tooling/eviction_oracle.py, "belady-queued").
 
 An expectation ends when the request is admitted (its first allocate with
@@ -15,10 +16,10 @@ first, never what a request hits or is allocated.
 The blocks of requests expected earlier are kept longer: a queue admits
 them sooner (BlockPool's rank keys).
 
-Room: the expected prompts hold at most `max_blocks` hash blocks in all,
-the blocks both tiers can hold, since protecting more than the cache holds
-cannot keep it. An expectation past the room keeps the prefix of its prompt
-that fits, possibly none; the op's result says how many tokens were kept.
+Room: the expected prompts keep at most `max_blocks` hash blocks in all
+(`KVCacheConfig.expected_blocks_room`), which bounds the memory they take.
+An expectation past the room keeps the prefix of its prompt that fits,
+possibly none; the op's result says how many tokens were kept.
 """
 
 from __future__ import annotations
