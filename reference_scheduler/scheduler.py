@@ -98,7 +98,7 @@ class SchedulerConfig:
     # scheduler holds nothing waits for them instead of raising RequestTooLargeError.
     shared_pool: bool = False
     # Tell the manager each waiting request's prompt ahead (ExpectOp), so that the cached blocks
-    # the queue needs are evicted last.
+    # the queue needs are evicted last. Off for a multi-tenant manager, which refuses expect ops.
     expect_waiting: bool = True
 
     def __post_init__(self) -> None:
