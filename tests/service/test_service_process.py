@@ -60,8 +60,8 @@ def test_pool_flags(server_factory):
     [
         (("--hash-algorithm", "xxh3_128"), "hash_seed"),
         (("--num-blocks", "1"), "num_blocks"),
-        # 10^9 host blocks cannot fit: refused with the estimate, before any of it is allocated.
-        (("--num-host-blocks", "1000000000"), "the manager would need up to 417.62 GiB"),
+        # 10^9 host blocks cannot fit: refused with the estimate (expected-blocks room included) before allocating.
+        (("--num-host-blocks", "1000000000"), "the manager would need up to 417.68 GiB"),
     ],
 )
 def test_bad_pool_flags_exit_2_with_a_message(args, message):
