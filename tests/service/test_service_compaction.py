@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
+import grpc
 import pytest
 
 from kv_manager_service.server.journal import _FRAME, _read
@@ -125,6 +126,48 @@ def test_damage_in_the_snapshot_refuses_the_start_and_leaves_the_file_untouched(
             done.stderr
         ), done.stderr
         assert manager.journal.read_bytes() == bytes(damaged)
+    finally:
+        failures = stop_all(manager.processes)
+        assert not failures, "\n\n".join(failures)
+
+
+def expect(request_id: str, token_ids) -> pb.StepRequest:
+    request = step_request([pb.StepOp(expect=pb.ExpectRequest(request_id=request_id, token_ids=token_ids))])
+    request.idempotency_key = f"expect-{request_id}"
+    return request
+
+
+def test_expected_requests_survive_sigkill_in_the_snapshot_and_in_the_tail(tmp_path):
+    """Expectations made before a compaction (in its snapshot) and after it (in the tail) are there after a
+    SIGKILL: the same state, the keyed expect answered from memory, a refused expect changes nothing,
+    and the expected prompt is admitted with its cached prefix."""
+    manager = Manager(tmp_path, *COMPACT)
+    prompt = list(range(600, 648))  # 3 blocks of 16
+    try:
+        channel, stub = connect(manager.start().address)
+        with channel:
+            history(stub)
+            stub.Allocate(alloc("cached", prompt))
+            stub.Free(pb.FreeRequest(request_ids=["cached"]))  # its 3 full blocks stay cached, free
+            in_snapshot = stub.Step(expect("w1", prompt))
+            compact_now(stub, manager)
+            stub.Step(expect("w2", range(700, 732)))
+            before = state(stub)
+        assert before["stats"]["num_expected_requests"] == 2 and before["stats"]["num_expected_blocks"] == 5
+        assert entries(manager)[:2] == ["header", "snapshot"] and len(entries(manager)) > 2
+        manager.kill()
+
+        channel, stub = connect(manager.start().address)
+        with channel:
+            assert state(stub) == before
+            assert stub.Step(expect("w1", prompt)) == in_snapshot  # keyed: remembered, not applied again
+            refused = step_request([pb.StepOp(expect=pb.ExpectRequest(request_id="a2", token_ids=[1]))])
+            with pytest.raises(grpc.RpcError, match="is live"):
+                stub.Step(refused)
+            assert state(stub) == before
+            admitted = stub.Allocate(alloc("w1", prompt))
+            assert admitted.num_computed_tokens == 32  # whole blocks short of the prompt's last token: cached
+            assert stub.GetStats(pb.GetStatsRequest()).num_expected_requests == 1
     finally:
         failures = stop_all(manager.processes)
         assert not failures, "\n\n".join(failures)
