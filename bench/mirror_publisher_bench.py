@@ -72,7 +72,7 @@ def main() -> None:
             "process": PublisherProcess(endpoint, KeySchema("bench-process", "sha256_cbor"), "p", INCARNATION),
         }
         for publisher in publishers.values():
-            publisher.republish({}, set())
+            publisher.republish({}, None)
         samples: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in publishers}
         for index in range(args.rounds):
             stored, removed = step_events(index)

@@ -165,19 +165,25 @@ class HostKeys:
 
     2 + hash_num_bytes bytes per key (34 with sha256) where a set of tuples
     costs about 200; later changes to the index do not show in it, so it is
-    taken under the replica's lock and read after.
+    taken under the replica's lock and read after. `capacity`: the index's
+    number of blocks, the most keys it can hold.
     """
 
-    __slots__ = ("group_ids", "hashes", "hash_num_bytes")
+    __slots__ = ("group_ids", "hashes", "hash_num_bytes", "capacity")
 
-    def __init__(self, group_ids: array, hashes: bytes, hash_num_bytes: int) -> None:
-        assert len(hashes) == len(group_ids) * hash_num_bytes
+    def __init__(self, group_ids: array, hashes: bytes, hash_num_bytes: int, capacity: int) -> None:
+        assert len(hashes) == len(group_ids) * hash_num_bytes <= capacity * hash_num_bytes
         self.group_ids = group_ids
         self.hashes = hashes
         self.hash_num_bytes = hash_num_bytes
+        self.capacity = capacity
 
     def __len__(self) -> int:
         return len(self.group_ids)
+
+    def __getitem__(self, position: int) -> tuple[int, BlockHash]:
+        w = self.hash_num_bytes
+        return self.group_ids[position], BlockHash(self.hashes[position * w : position * w + w])
 
     def __iter__(self) -> Iterator[tuple[int, BlockHash]]:
         hashes, w = self.hashes, self.hash_num_bytes

@@ -136,7 +136,7 @@ class HostTier:
     def cached_block_keys(self) -> HostKeys:
         """Every (group id, block hash) the host index holds, free cached blocks included: a compact copy."""
         group_ids, hashes, _ = self.index.columns()
-        return HostKeys(group_ids, hashes, self.index.hash_num_bytes)
+        return HostKeys(group_ids, hashes, self.index.hash_num_bytes, self.index.num_blocks)
 
     def pending_copies(self) -> list[PendingTierCopy]:
         return [PendingTierCopy(step_id, is_onload, copy) for step_id, _, _, copy, is_onload in self.pending]

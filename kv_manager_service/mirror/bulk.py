@@ -89,10 +89,15 @@ class HashWrites:
     `hdel_each` pack a whole run of keys that share the field and value:
     the writer's batches are thousands of such keys, packed with one
     template look-up and one comprehension.
+
+    With `page_commands`, every time that many commands are pending they
+    are sent (a round trip), so that a write of millions of keys holds one
+    page of commands at a time; `execute` sends the rest.
     """
 
-    def __init__(self, client: redis.Redis | RedisCluster) -> None:
+    def __init__(self, client: redis.Redis | RedisCluster, page_commands: int | None = None) -> None:
         self.client = client
+        self.page_commands = page_commands
         self._keys: list[bytes] = []
         self._commands: list[bytes] = []
         self._templates: dict[tuple[str, ...], CommandTemplate] = {}
@@ -114,6 +119,8 @@ class HashWrites:
     def _add(self, template: CommandTemplate, keys: Sequence[bytes]) -> None:
         self._keys.extend(keys)
         self._commands.extend(template.pack_each(keys))
+        if self.page_commands is not None and len(self._commands) >= self.page_commands:
+            self.execute()
 
     def _template(self, name: str, *trailing: str) -> CommandTemplate:
         template = self._templates.get((name, *trailing))
@@ -126,8 +133,10 @@ class HashWrites:
         return len(self._commands)
 
     def execute(self) -> list:
-        """Send every command added; their replies in order. Raises like `execute`."""
-        return execute(self.client, self._keys, self._commands)
+        """Send every command pending; their replies in order. Raises like `execute`."""
+        keys, commands = self._keys, self._commands
+        self._keys, self._commands = [], []
+        return execute(self.client, keys, commands)
 
 
 def execute(client: redis.Redis | RedisCluster, keys: Sequence[bytes | str], commands: Sequence[bytes]) -> list:

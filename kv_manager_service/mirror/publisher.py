@@ -17,26 +17,36 @@ share the server's GIL with its RPCs.
 from __future__ import annotations
 
 from binascii import hexlify
-from typing import Iterable, Mapping, Sequence
+from itertools import chain
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import redis
 
+from kv_manager_service.core.host_index import HostKeys
 from kv_manager_service.shared.events import AllBlocksCleared, BlockStored, KVEvent, Tier
 from kv_manager_service.mirror.bulk import CommandTemplate, HashWrites, execute
 from kv_manager_service.mirror.collector import pages
+from kv_manager_service.mirror.key_set import HostKeySet
 from kv_manager_service.mirror.schema import BlockKey, KeySchema, block_entry_value
 
 SWEEP_PAGE_KEYS = 1000
 """Block keys a sweep reads per round trip."""
+WRITE_PAGE_KEYS = 10_000
+"""Keys a republication (or a clear) writes per round trip: it holds one page of commands, not the pool's."""
 
 
 class EntryPublisher:
     """This incarnation's block entries in Redis: `republish` a snapshot, then `apply` each batch of events.
 
     Every method raises redis.RedisError when a write fails. Then some of its
-    writes may have landed: the keys it changed are remembered, and the next
-    `republish`, which must come before any further `apply`, makes them
-    right too.
+    writes may have landed: the keys it changed are remembered (or, for a
+    republication or a clear, which change every key, the next republication
+    sweeps), and the next `republish`, which must come before any further
+    `apply`, makes them right too.
+
+    What it remembers of the host tier is a HostKeySet, the size of the tier:
+    flat arrays, about 50 bytes a host block, never a Python object per key.
+    A republication streams: it holds one page of writes at a time.
     """
 
     def __init__(self, client: redis.Redis, schema: KeySchema, replica_id: str, incarnation: str) -> None:
@@ -44,99 +54,157 @@ class EntryPublisher:
         self.schema = schema
         self.replica_id = replica_id
         self.incarnation = incarnation
-        # Counts per tier of what Redis holds for us: a key is published as a
-        # device entry while it has a device count, else as a host-only entry
-        # while it has a host count. Counts are positive: a key whose count
-        # falls to zero is removed.
+        # What Redis holds for us: a key is published as a device entry while
+        # it has a device count (positive: a key whose count falls to zero is
+        # removed), else as a host-only entry while the host tier holds it
+        # (at most once: the host index names a key at most once).
         self._published: dict[BlockKey, int] = {}
-        self._published_host: dict[BlockKey, int] = {}
-        self._unsure: set[BlockKey] = set()  # keys a failed write may have changed
+        self._published_host: HostKeySet | None = None  # None: the last snapshot had no host tier
+        self._unsure: set[BlockKey] = set()  # keys a failed batch may have changed
+        # Invariant: True from a failure that may have changed any key until a republication sweeps.
+        self._needs_sweep = False
         self._key_prefixes: dict[int, bytes] = {}  # group id -> the Redis key of its blocks, less the hash
 
     def republish(
-        self, counts: Mapping[BlockKey, int], host_keys: Iterable[BlockKey], sweep: bool = False
+        self, counts: Mapping[BlockKey, int], host_keys: HostKeys | None, sweep: bool = False
     ) -> tuple[int, int]:
         """Make Redis hold exactly these cached sets for this incarnation: how many hashes it holds, and host-only.
 
         `counts`: the device tier's cached blocks per key, `host_keys`: what
-        the host tier holds. Entries published before and not held any more
-        are deleted. With `sweep`, so is every other entry of this replica
-        found in Redis: for a publisher that does not know what an earlier
-        one published (a writer process that replaced one that died).
+        the host tier holds (None without one). Entries published before and
+        not held any more are deleted. With `sweep`, so is every other entry
+        of this replica found in Redis: for a publisher that does not know
+        what an earlier one published (a writer process that replaced one
+        that died).
         """
         device = {key: count for key, count in counts.items() if count > 0}
-        host_only = set(host_keys) - device.keys()
-        published = self._published.keys() | self._published_host.keys()
-        gone = self._redis_keys((published | self._unsure) - device.keys() - host_only)
-        device_keys = self._redis_keys(device)
-        host_only_keys = self._redis_keys(host_only)
+        sweep = sweep or self._needs_sweep
+        self._needs_sweep = True  # until the last page lands, Redis holds some of before and some of after
+        old_device, unsure = self._published, self._unsure
+        self._published, self._unsure = device, set()
+        host, dropped = self._host_set_for(host_keys)
+        writes = HashWrites(self.client, WRITE_PAGE_KEYS)
+
+        def held(key: BlockKey) -> bool:
+            return key in device or (host is not None and key in host)
+
+        # `dropped` is consumed first: the host set holds exactly `host_keys` from then on.
+        for page in pages((key for key in dropped if key not in device), WRITE_PAGE_KEYS):
+            writes.hdel_each(self._redis_keys(page), self.replica_id)
+        gone = [key for key in old_device.keys() | unsure if not held(key)]
+        writes.hdel_each(self._redis_keys(gone), self.replica_id)
+        for page in pages(device, WRITE_PAGE_KEYS):
+            writes.hset_each(self._redis_keys(page), self.replica_id, block_entry_value(self.incarnation, Tier.DEVICE))
+        num_host_only = 0
+        host_entry = block_entry_value(self.incarnation, Tier.HOST)
+        for page in pages((key for key in host_keys or () if key not in device), WRITE_PAGE_KEYS):
+            writes.hset_each(self._redis_keys(page), self.replica_id, host_entry)
+            num_host_only += len(page)
         if sweep:
-            gone.extend(self._entries_in_redis() - set(device_keys) - set(host_only_keys) - set(gone))
-        writes = HashWrites(self.client)
-        writes.hdel_each(gone, self.replica_id)
-        writes.hset_each(device_keys, self.replica_id, block_entry_value(self.incarnation, Tier.DEVICE))
-        writes.hset_each(host_only_keys, self.replica_id, block_entry_value(self.incarnation, Tier.HOST))
-        try:
-            writes.execute()
-        except redis.RedisError:
-            # These may have landed; the retry deletes what the pool no longer holds.
-            self._unsure.update(device)
-            self._unsure.update(host_only)
-            raise
-        self._published = device
-        self._published_host = dict.fromkeys(host_keys, 1)
-        self._unsure.clear()
-        return len(device) + len(host_only), len(host_only)
+            self._sweep(writes, held)
+        writes.execute()
+        self._needs_sweep = False
+        return len(device) + num_host_only, num_host_only
 
     def apply(self, events: Sequence[KVEvent]) -> None:
         """Write the entries that these events, in log order, change."""
-        # This loop runs once per block event of the pool: plain dict operations.
+        writes = HashWrites(self.client)
+        changed: list[BlockKey] = []
+        try:
+            start = 0
+            for position, event in enumerate(events):
+                if type(event) is AllBlocksCleared:
+                    self._write_changes(events[start:position], writes, changed)
+                    self._write_clear(writes)
+                    start = position + 1
+            self._write_changes(events[start:], writes, changed)
+            writes.execute()
+        except redis.RedisError:
+            self._unsure.update(changed)  # part of the batch may have landed: the resync must clean these too
+            raise
+
+    def _write_changes(self, events: Sequence[KVEvent], writes: HashWrites, changed: list[BlockKey]) -> None:
+        """Add to `writes` the entries that `events` (no clear among them) change, and name them in `changed`."""
+        # This loop runs once per block event of the pool: plain dict operations. The host set's look-ups
+        # (a Python loop each) are left to the keys of host events and, after it, to the keys that end up
+        # on no device block: a store on the device needs none.
         device, host = self._published, self._published_host
-        before: dict[BlockKey, Tier | None] = {}  # key -> its entry's tier before this batch
+        was_on_device: dict[BlockKey, bool] = {}  # every key the events name -> it had a device entry before
+        was_on_host: dict[BlockKey, bool] = {}  # the keys of host events -> the host held them before
         for event in events:
-            if type(event) is AllBlocksCleared:
-                for key in device.keys() | host.keys():
-                    if key not in before:
-                        before[key] = Tier.DEVICE if key in device else Tier.HOST
-                device.clear()
-                host.clear()
-                continue
-            counts = device if event.tier is Tier.DEVICE else host
             delta = 1 if type(event) is BlockStored else -1
             group_id = event.group_id
+            if event.tier is Tier.DEVICE:
+                for block_hash in event.block_hashes:
+                    key = (group_id, block_hash)
+                    if key not in was_on_device:
+                        was_on_device[key] = key in device
+                    count = device.get(key, 0) + delta
+                    if count > 0:
+                        device[key] = count
+                    else:
+                        device.pop(key, None)
+                continue
+            if host is None:
+                raise ValueError("a host-tier event from a replica whose snapshot had no host tier")
             for block_hash in event.block_hashes:
                 key = (group_id, block_hash)
-                if key not in before:
-                    before[key] = Tier.DEVICE if key in device else Tier.HOST if key in host else None
-                count = counts.get(key, 0) + delta
-                if count > 0:
-                    counts[key] = count
+                if key not in was_on_device:
+                    was_on_device[key] = key in device
+                if key not in was_on_host:
+                    was_on_host[key] = key in host
+                if delta > 0:
+                    host.add(key)
                 else:
-                    counts.pop(key, None)
-        # The keys whose entry changed, by the tier it names after this batch. Lists, not a dict by tier:
-        # hashing an enum member is a Python call, once per key.
+                    host.discard(key)
+        # The keys whose entry changed, by the tier it names after these events. Lists, not a dict by tier:
+        # hashing an enum member is a Python call, once per key. A key the host events did not name was on
+        # the host before exactly when it is now.
         now_device: list[BlockKey] = []
         now_host: list[BlockKey] = []
         deleted: list[BlockKey] = []
-        for key, tier in before.items():
+        for key, had_device_entry in was_on_device.items():
             if key in device:
-                if tier is not Tier.DEVICE:
+                if not had_device_entry:
                     now_device.append(key)
-            elif key in host:
-                if tier is not Tier.HOST:
+                continue
+            on_host = host is not None and key in host
+            had_host_entry = not had_device_entry and was_on_host.get(key, on_host)
+            if on_host:
+                if not had_host_entry:
                     now_host.append(key)
-            elif tier is not None:
+            elif had_device_entry or had_host_entry:
                 deleted.append(key)
-        writes = HashWrites(self.client)
         writes.hdel_each(self._redis_keys(deleted), self.replica_id)
         for keys, tier in ((now_device, Tier.DEVICE), (now_host, Tier.HOST)):
             writes.hset_each(self._redis_keys(keys), self.replica_id, block_entry_value(self.incarnation, tier))
-        try:
-            writes.execute()
-        except redis.RedisError:
-            # Part of the batch may have landed: the resync must clean these too.
-            self._unsure.update(now_device, now_host, deleted)
-            raise
+        changed += now_device
+        changed += now_host
+        changed += deleted
+
+    def _write_clear(self, writes: HashWrites) -> None:
+        """Add to `writes` the deletion of every entry: both tiers were cleared. It may change any key:
+        should a write fail, the next republication sweeps."""
+        self._needs_sweep = True
+        device, host = self._published, self._published_host
+        keys: Iterable[BlockKey] = device if host is None else chain(device, (key for key in host if key not in device))
+        for page in pages(keys, WRITE_PAGE_KEYS):
+            writes.hdel_each(self._redis_keys(page), self.replica_id)
+        writes.execute()
+        device.clear()
+        if host is not None:
+            host.clear()
+        self._needs_sweep = False
+
+    def _host_set_for(self, host_keys: HostKeys | None) -> tuple[HostKeySet | None, Iterator[BlockKey]]:
+        """The host set to hold `host_keys`, and the keys that were in it and are not in `host_keys`:
+        dropped as they are read, which must be to the end before the set is used."""
+        old = self._published_host
+        if old is not None and host_keys is not None and old.fits(host_keys):
+            return old, old.reconcile(host_keys)
+        # A first snapshot, or a tier that appeared, went or changed size: a new set; the old one's keys are dropped.
+        new = self._published_host = HostKeySet.of(host_keys) if host_keys is not None else None
+        return new, (key for key in old or () if new is None or key not in new)
 
     def close(self) -> None:
         """Nothing to release: the client is the caller's."""
@@ -153,12 +221,26 @@ class EntryPublisher:
         prefix = self._key_prefixes[group_id] = self.schema.block_prefix(group_id)
         return prefix
 
-    def _entries_in_redis(self) -> set[bytes]:
-        """The block keys in Redis that hold a field of this replica, whatever its value: a scan of the namespace."""
+    def _sweep(self, writes: HashWrites, held: Callable[[BlockKey], bool]) -> None:
+        """Add to `writes` the deletion of this replica's field from every block key in Redis whose
+        (group, hash) is not `held`: a scan of the namespace, a page at a time."""
         holds_field = CommandTemplate(b"HEXISTS", (self.replica_id.encode(),))
-        found: set[bytes] = set()
         keys = self.client.scan_iter(match=self.schema.block_pattern(), count=SWEEP_PAGE_KEYS)
         for page in pages(keys, SWEEP_PAGE_KEYS):
             replies = execute(self.client, page, holds_field.pack_each(page))
-            found.update(key for key, held in zip(page, replies) if held)
-        return found
+            stale = [key for key, has_field in zip(page, replies) if has_field and not self._holds(key, held)]
+            writes.hdel_each(stale, self.replica_id)
+
+    def _holds(self, redis_key: bytes, held: Callable[[BlockKey], bool]) -> bool:
+        """Whether `redis_key` is the block key (KeySchema.block) of a `held` (group, hash)."""
+        head, _, hex_hash = redis_key.rpartition(b":")
+        group = head.rpartition(b":")[2]
+        if not group.isdigit():
+            return False
+        group_id = int(group)
+        if redis_key != self._key_prefix(group_id) + hex_hash:  # another namespace's, or not hex
+            return False
+        try:
+            return held((group_id, bytes.fromhex(hex_hash.decode("ascii"))))
+        except ValueError:
+            return False

@@ -40,10 +40,11 @@ import subprocess
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import redis
 
+from kv_manager_service.core.host_index import HostKeys
 from kv_manager_service.shared.events import KVEvent
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
 from kv_manager_service.mirror.publisher import EntryPublisher
@@ -82,11 +83,11 @@ class PublisherProcess:
         return None if self._child is None else self._child.pid
 
     def republish(
-        self, counts: Mapping[BlockKey, int], host_keys: Iterable[BlockKey], sweep: bool = False
+        self, counts: Mapping[BlockKey, int], host_keys: HostKeys | None, sweep: bool = False
     ) -> tuple[int, int]:
         if self._connection is None:
             self._start()
-        result = self._call("republish", counts, set(host_keys), sweep or self._needs_sweep)
+        result = self._call("republish", counts, host_keys, sweep or self._needs_sweep)
         self._needs_sweep = False
         return result
 

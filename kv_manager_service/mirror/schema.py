@@ -55,17 +55,16 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable
 
+from kv_manager_service.core.host_index import HostKeys
 from kv_manager_service.shared.events import Tier
 
 log = logging.getLogger("kv_manager_service.mirror.schema")
 
 BlockKey = tuple[int, bytes]  # (group id, block hash)
 # A replica's cached set as the mirror reads it, consistent with itself: its device tier's (group, hash)
-# counts, the (group, hash) keys its host tier holds (empty without one; a compact copy, iterable as often
-# as needed), and the last event they include.
-CachedSet = tuple[Counter[BlockKey], Iterable[BlockKey], int]
+# counts, a compact copy of the keys its host tier holds (None without one), and the last event they include.
+CachedSet = tuple[Counter[BlockKey], HostKeys | None, int]
 
 
 class ClusterUnavailableError(Exception):

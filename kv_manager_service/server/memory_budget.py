@@ -20,7 +20,9 @@ parts alive at once: 282 to 323 bytes, and 223 to 283 bytes more, for
 271 more, for 4 * 10^4 to 10^6 host blocks), rounded up. The frequency eviction policy adds its history:
 4 hashes per block (core/block_pool.py HISTORY_PER_BLOCK) at 105 bytes an OrderedDict entry and 65 a
 hash no block holds any more (tracemalloc), and a snapshot's copy of it. Expected requests' prompts
-(core/expectations.py) add up to their room's hashes, at 193 bytes each (tracemalloc). A start whose estimate
+(core/expectations.py) add up to their room's hashes, at 193 bytes each (tracemalloc). A mirror to Redis
+keeps a set of the host tier's keys (mirror/key_set.py, in the writer's thread or process): 46 bytes a
+host block, and a resync 42 more for a moment (tracemalloc). A start whose estimate
 exceeds the memory available
 to it (MemAvailable, or the cgroup's limit less its usage when lower) is
 refused with the figures; `--no-memory-check` skips the check.
@@ -39,6 +41,8 @@ FREQUENCY_BYTES_PER_BLOCK = 4 * 176  # the frequency history's 4 hashes per devi
 FREQUENCY_TRANSIENT_BYTES_PER_BLOCK = 4 * 128  # their copy in a compaction's snapshot
 EXPECTED_BYTES_PER_BLOCK = 200  # a hash an expected prompt keeps, no other holding it (tracemalloc: 193)
 EXPECTED_TRANSIENT_BYTES_PER_BLOCK = 48  # its place in a compaction's snapshot
+MIRROR_HOST_BYTES_PER_BLOCK = 56  # the mirror's set of the host tier's keys (mirror/key_set.py: 50 a block)
+MIRROR_HOST_TRANSIENT_BYTES_PER_BLOCK = 48  # a resync's copy of the tier's keys and its reconciliation (42)
 
 
 class MemoryEstimate(NamedTuple):
@@ -58,14 +62,18 @@ def estimate_memory(
     retention_bytes: int,
     by_frequency: bool = False,
     num_expected_blocks: int = 0,
+    mirrored: bool = False,
 ) -> MemoryEstimate:
     """The manager's memory at its worst for a pool of `num_blocks` device and `num_host_blocks` host blocks,
-    `by_frequency` with the frequency eviction policy's history, and expected prompts keeping up to
-    `num_expected_blocks` hashes."""
+    `by_frequency` with the frequency eviction policy's history, expected prompts keeping up to
+    `num_expected_blocks` hashes, and `mirrored` to Redis."""
     blocks = num_blocks * BYTES_PER_BLOCK + num_host_blocks * HOST_BYTES_PER_BLOCK
     blocks += num_expected_blocks * EXPECTED_BYTES_PER_BLOCK
     transient = (num_blocks + num_host_blocks) * TRANSIENT_BYTES_PER_BLOCK
     transient += num_expected_blocks * EXPECTED_TRANSIENT_BYTES_PER_BLOCK
+    if mirrored:
+        blocks += num_host_blocks * MIRROR_HOST_BYTES_PER_BLOCK
+        transient += num_host_blocks * MIRROR_HOST_TRANSIENT_BYTES_PER_BLOCK
     if by_frequency:
         blocks += num_blocks * FREQUENCY_BYTES_PER_BLOCK
         transient += num_blocks * FREQUENCY_TRANSIENT_BYTES_PER_BLOCK

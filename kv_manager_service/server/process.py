@@ -277,7 +277,8 @@ def memory_estimate(config: KVCacheConfig, options: ServerOptions) -> MemoryEsti
     retention = limits.step_retention_bytes + limits.event_retention_bytes + limits.idempotency_retention_bytes
     by_frequency = config.eviction_policy is EvictionPolicy.FREQUENCY
     return estimate_memory(
-        config.num_blocks, config.num_host_blocks, retention, by_frequency, config.expected_blocks_room
+        config.num_blocks, config.num_host_blocks, retention, by_frequency, config.expected_blocks_room,
+        mirrored=options.redis_url is not None,
     )
 
 

@@ -659,11 +659,11 @@ class Replica:
         return self._stats
 
     def cached_set(self) -> CachedSet:
-        """The pool's cached (group, hash) counts, its host tier's keys (empty without one) and the
+        """The pool's cached (group, hash) counts, its host tier's keys (None without one) and the
         last event they include (for the mirror)."""
         with self.lock:
             host_tier = self.manager.host_tier
-            host_keys = host_tier.cached_block_keys() if host_tier is not None else set()
+            host_keys = host_tier.cached_block_keys() if host_tier is not None else None
             return self.manager.cached_block_counts(), host_keys, self.events.last_id
 
     def lease(self, address: str) -> Lease:

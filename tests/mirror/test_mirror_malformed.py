@@ -262,7 +262,7 @@ class ThreadKilled(BaseException):
 def in_process_writer(redis_server, lease: Callable[[], Lease]) -> MirrorWriter:
     return MirrorWriter(
         redis_server.client(), KeySchema("thread-test", "sha256_cbor"), "replica-t", 1, BroadcastLog(16),
-        lambda: (Counter(), set(), 0), lease, MirrorOptions(lease_ttl_s=0.3),
+        lambda: (Counter(), None, 0), lease, MirrorOptions(lease_ttl_s=0.3),
     )  # fmt: skip
 
 

@@ -16,19 +16,24 @@ import os
 import signal
 import threading
 import time
+import tracemalloc
 from collections import Counter
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import hiredis
 import pytest
 import redis
 
 from kv_manager_service.broadcast_log import BroadcastLog
+from kv_manager_service.core.host_index import HostIndex, HostKeys
 from kv_manager_service.shared.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from kv_manager_service.mirror import bulk
+from kv_manager_service.mirror import publisher as publisher_module
 from kv_manager_service.mirror.connect import RedisEndpoint, connect
+from kv_manager_service.mirror.publisher import EntryPublisher
 from kv_manager_service.mirror.publisher_process import PublisherProcess
 from kv_manager_service.mirror.writer import MirrorOptions, MirrorWriter
+from kv_manager_service.server.memory_budget import MIRROR_HOST_BYTES_PER_BLOCK, MIRROR_HOST_TRANSIENT_BYTES_PER_BLOCK
 from kv_manager_service.mirror.schema import KeySchema, Lease, ReplicaIdInUseError
 from mirror_support import replica_block_set, wait_until
 from processes import exited
@@ -41,6 +46,19 @@ CONVERGE_S = 5.0
 
 def h(i: int) -> bytes:
     return hashlib.sha256(f"block-{i}".encode()).digest()
+
+
+HOST_CAPACITY = 64
+"""The stand-in pools' host tier: blocks it can hold."""
+
+
+def host_keys(keys: Iterable[tuple[int, bytes]]) -> HostKeys:
+    """The compact copy of a host index holding `keys`, as a replica's snapshot gives it."""
+    index = HostIndex(HOST_CAPACITY, 8, 32)
+    for block_id, (group_id, block_hash) in enumerate(keys):
+        index.insert(block_id, group_id, block_hash)
+    group_ids, hashes, _ = index.columns()
+    return HostKeys(group_ids, hashes, 32, HOST_CAPACITY)
 
 
 class StandInPool:
@@ -73,9 +91,10 @@ class StandInPool:
             self.counts.clear()
             self._log(AllBlocksCleared())
 
-    def snapshot(self) -> tuple[Counter, set, int]:
+    def snapshot(self) -> tuple[Counter, HostKeys, int]:
         with self.lock:
-            return Counter({(0, block_hash): n for block_hash, n in self.counts.items()}), set(), self.events.last_id
+            counts = Counter({(0, block_hash): n for block_hash, n in self.counts.items()})
+            return counts, host_keys(()), self.events.last_id
 
     def cached(self) -> set[bytes]:
         with self.lock:
@@ -264,9 +283,9 @@ class TieredPool(StandInPool):
         super().__init__()
         self.host = host
 
-    def snapshot(self) -> tuple[Counter, set, int]:
+    def snapshot(self) -> tuple[Counter, HostKeys, int]:
         counts, _, last_id = super().snapshot()
-        return counts, {(0, block_hash) for block_hash in self.host}, last_id
+        return counts, host_keys((0, block_hash) for block_hash in self.host), last_id
 
 
 def test_a_republication_writes_both_tiers_exactly_and_deletes_the_rest(redis_server, rig):
@@ -276,7 +295,7 @@ def test_a_republication_writes_both_tiers_exactly_and_deletes_the_rest(redis_se
         pool = TieredPool(host={h(1), h(2)})
         pool.store(h(1), h(1), h(3))
         writer, pool, _ = rig(pool, start=False)
-        writer.publisher._published_host[(0, h(9))] = 1  # published by an earlier life of this writer, no longer held
+        writer.publisher.republish({}, host_keys([(0, h(9))]))  # an earlier life of this writer's, no longer held
         admin.hset(stale, REPLICA, HOST_ENTRY)
         writer.start()
         wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
@@ -284,6 +303,46 @@ def test_a_republication_writes_both_tiers_exactly_and_deletes_the_rest(redis_se
                                          SCHEMA.block(0, h(3)): DEVICE_ENTRY}  # fmt: skip
     finally:
         admin.close()
+
+
+def test_a_republication_streams_pages_and_one_failed_part_way_is_swept_clean(redis_server, monkeypatch):
+    """Pages of 3 writes: a republication of 40 keys makes many round trips and is exact; one that fails in
+    its first page has already forgotten the keys it drops, so the next republication sweeps them."""
+    monkeypatch.setattr(publisher_module, "WRITE_PAGE_KEYS", 3)
+    client = redis_server.client()
+    publisher = EntryPublisher(client, SCHEMA, REPLICA, str(INCARNATION))
+    sent = []
+    real_execute = bulk.execute
+
+    def execute(client, keys, commands):
+        sent.append(len(commands))
+        if fail_at == len(sent):
+            raise redis.ConnectionError("injected: the connection dropped")
+        return real_execute(client, keys, commands)
+
+    monkeypatch.setattr(bulk, "execute", execute)
+    try:
+        device = Counter({(0, h(i)): 1 for i in range(10)})
+        host = [(0, h(i)) for i in range(5, 45)]  # h(5)..h(9) are on both tiers: device entries
+        fail_at = None
+        assert publisher.republish(device, host_keys(host)) == (45, 35)
+        expected = {SCHEMA.block(0, h(i)): DEVICE_ENTRY for i in range(10)}
+        expected |= {SCHEMA.block(0, h(i)): HOST_ENTRY for i in range(10, 45)}
+        assert entries(redis_server) == expected and max(sent) <= 3 + 2 and len(sent) >= 15
+
+        sent.clear()
+        fail_at = 1
+        with pytest.raises(redis.ConnectionError):
+            publisher.republish(Counter(), host_keys(host[:20]))  # drops h(25)..h(44), then the first page fails
+        assert entries(redis_server) == expected  # nothing landed
+        fail_at = None
+        assert publisher.republish(Counter(), host_keys(host[:20])) == (20, 20)
+        assert entries(redis_server) == {SCHEMA.block(0, h(i)): HOST_ENTRY for i in range(5, 25)}
+
+        publisher.apply([AllBlocksCleared(), BlockStored(0, (h(50),), None, 0, Tier.HOST)])  # a clear, in pages
+        assert entries(redis_server) == {SCHEMA.block(0, h(50)): HOST_ENTRY}
+    finally:
+        client.close()
 
 
 def test_duplicate_hashes_are_counted_and_a_clear_then_store_in_one_batch_is_exact(redis_server, rig):
@@ -490,3 +549,33 @@ def test_a_stopped_writer_stops_its_process(mirror_redis, process_writer):
     writer.stop()
     assert writer.publisher.pid is None
     wait_until(lambda: exited(pid), bool, CONVERGE_S, "the writer process to exit")
+
+
+def test_the_publisher_holds_a_full_host_tier_in_flat_arrays_and_republishes_it_in_pages(redis_server, monkeypatch):
+    """Memory, not time: what the publisher keeps of a full host tier, and a resync's peak beyond it (the
+    tier's copy included). A page of writes costs about 1 KB a key whatever the tier's size: small pages
+    here, so that the part that grows with the tier shows."""
+    monkeypatch.setattr(publisher_module, "WRITE_PAGE_KEYS", 200)
+    num_blocks = 20_000
+    index = HostIndex(num_blocks, 1, 32)
+    for block_id in range(num_blocks):
+        index.insert(block_id, 0, hashlib.sha256(block_id.to_bytes(4, "little")).digest())
+
+    def copy() -> HostKeys:  # as the replica's cached_set takes it
+        group_ids, hashes, _ = index.columns()
+        return HostKeys(group_ids, hashes, 32, num_blocks)
+
+    client = redis_server.client()
+    publisher = EntryPublisher(client, SCHEMA, REPLICA, str(INCARNATION))
+    publisher.republish(Counter(), copy())
+    tracemalloc.start()
+    try:
+        publisher.republish(Counter(), copy())  # a resync of the same full tier
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        client.close()
+    key_set = publisher._published_host
+    assert len(key_set) == num_blocks and key_set.nbytes / num_blocks <= MIRROR_HOST_BYTES_PER_BLOCK
+    assert peak / num_blocks <= MIRROR_HOST_TRANSIENT_BYTES_PER_BLOCK
+    assert redis_server.client().dbsize() == num_blocks

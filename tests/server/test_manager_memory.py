@@ -13,6 +13,8 @@ import pytest
 from kv_manager_service.server.memory_budget import (
     EXPECTED_BYTES_PER_BLOCK,
     FREQUENCY_BYTES_PER_BLOCK,
+    MIRROR_HOST_BYTES_PER_BLOCK,
+    MIRROR_HOST_TRANSIENT_BYTES_PER_BLOCK,
     available_memory,
     check_fits,
     estimate_memory,
@@ -68,3 +70,9 @@ def test_expected_prompts_add_their_room_to_the_estimate():
     none, room = estimate_memory(100_000, 0, 0), estimate_memory(100_000, 0, 0, num_expected_blocks=400_000)
     assert room.blocks - none.blocks == 400_000 * EXPECTED_BYTES_PER_BLOCK
     assert room.transient > none.transient
+
+
+def test_a_mirror_adds_its_host_key_set_to_the_estimate():
+    alone, mirrored = estimate_memory(1000, 700_000, 0), estimate_memory(1000, 700_000, 0, mirrored=True)
+    assert mirrored.blocks - alone.blocks == 700_000 * MIRROR_HOST_BYTES_PER_BLOCK
+    assert mirrored.transient - alone.transient == 700_000 * MIRROR_HOST_TRANSIENT_BYTES_PER_BLOCK
