@@ -63,6 +63,13 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
         "evicted in the policy's order like any other (default: told, as the reference scheduler does)",
     )
     replay.add_argument(
+        "--splice-turns",
+        action="store_true",
+        help="start a conversation's next turn with its previous turn's prompt and generated tokens, so the "
+        "blocks a turn generates are what the next one hits; a turn whose predecessor still runs waits for it "
+        "(for multi-turn traces; kv_tooling/turn_splicing.py says how turns are matched)",
+    )
+    replay.add_argument(
         "--report-json", type=Path, metavar="PATH", help="also write the figures to PATH as one JSON object"
     )
     add_cost_model_flags(replay)
@@ -166,6 +173,7 @@ def run_replay(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         cost_model=cost_model,
         expect_waiting=args.expect_waiting,
+        splice_turns=args.splice_turns,
     )
     block_size = config.groups[0].block_size
     print(
@@ -185,7 +193,9 @@ def run_replay(args: argparse.Namespace) -> int:
         )
 
     result = replay(manager, records, expander, replay_config, progress=show, oracle=oracle)
-    print_replay_report(result, manager.stats().num_evictions, with_tier=bool(config.num_host_blocks))
+    print_replay_report(
+        result, manager.stats().num_evictions, with_tier=bool(config.num_host_blocks), spliced=args.splice_turns
+    )
     if args.report_json is not None:
         report = {
             "trace": args.trace.name,
@@ -196,6 +206,7 @@ def run_replay(args: argparse.Namespace) -> int:
             "num_host_blocks": config.num_host_blocks,
             "eviction_policy": args.eviction_policy or config.eviction_policy.value,
             "expect_waiting": args.expect_waiting,
+            "splice_turns": args.splice_turns,
             "block_size": block_size,
             "token_budget": args.token_budget,
             "max_running": args.max_running,
@@ -206,7 +217,7 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_replay_report(result: ReplayResult, num_evictions: int, with_tier: bool) -> None:
+def print_replay_report(result: ReplayResult, num_evictions: int, with_tier: bool, spliced: bool = False) -> None:
     """The console report: the figures of `ReplayResult.figures`, with rates and the wall time.
 
     Hit rates are hits on first admission over the prompt tokens; re-admissions' hits are their own row.
@@ -237,6 +248,11 @@ def print_replay_report(result: ReplayResult, num_evictions: int, with_tier: boo
         ("preemptions", f"{result.num_preemptions}"),
         ("evictions", f"{num_evictions:,}"),
     ]
+    if spliced:
+        rows += [
+            ("spliced turns", f"{result.num_spliced_turns:,} (prompts that start with their previous turn's tokens)"),
+            ("held turns", f"{result.num_held_turns:,} (released when their previous turn finished)"),
+        ]
     if with_tier:
         generated = max(result.num_output_tokens, 1)
         offloaded, onloaded = result.num_offloaded_blocks, result.num_onloaded_blocks

@@ -18,7 +18,9 @@ first message: the system prompt's full blocks carry ids shared by every
 conversation that opens with it, the block where it ends and the message
 begins is the conversation's own. The format carries prompts only, so a turn's
 output enters the next prompt under new ids: an engine that caches the blocks
-it generates hits more on real traffic than on a replay of this trace.
+it generates hits more on real traffic than on a replay of this trace, unless
+the replay splices each turn's real tokens into the next prompt
+(`kv-manager replay --splice-turns`, turn_splicing.py).
 
 Time. Conversations arrive as a Poisson process (`conversations_per_s`). A
 turn's successor arrives when the turn has completed and the user has thought:

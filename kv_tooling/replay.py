@@ -23,6 +23,11 @@ Arrivals (`ReplayConfig.arrivals`):
 - "trace": a record is released at its trace timestamp, relative to the
   first record's and multiplied by `time_scale`; it is never admitted before.
 
+With `splice_turns`, a record that continues an earlier one (a
+conversation's next turn, `turn_splicing.py`) runs with that turn's prompt
+and generated tokens at the start of its prompt, and is released no earlier
+than the end of that turn.
+
 Either way a simulated clock starts at 0 and advances by each step's cost
 (`cost_model.StepCostModel`: its prefill tokens, decode rows, the KV those
 rows read and the host tier's copies); when nothing is waiting or running,
@@ -60,6 +65,7 @@ from kv_manager_service.shared.ops import AllocateOp, AllocateResult, AllocateSt
 from kv_tooling.cost_model import StepCostModel, StepWork
 from kv_tooling.eviction_oracle import NextUseOracle
 from kv_tooling.in_process import InProcessManager
+from kv_tooling.turn_splicing import TurnSplicer
 from kv_tooling.workload import TokenExpander, TraceRecord
 from reference_scheduler.interfaces import ExecuteResult, NextToken, Scheduled
 from reference_scheduler.scheduler import ReferenceScheduler, Request, RequestTooLargeError, Sampling, SchedulerConfig
@@ -82,6 +88,7 @@ class ReplayConfig:
     time_scale: float = 1.0  # multiplies the gaps between trace timestamps ("trace" arrivals)
     cost_model: StepCostModel = field(default_factory=StepCostModel)
     expect_waiting: bool = True  # the scheduler tells the manager the waiting requests' prompts (ExpectOp)
+    splice_turns: bool = False  # a conversation's next turn starts with its previous turn's tokens (turn_splicing.py)
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_running", "progress_every_steps"):
@@ -136,6 +143,9 @@ class ReplayResult:
     num_onloaded_blocks: int = 0
     num_host_evictions: int = 0
     num_dropped_offloads: int = 0
+    # With `splice_turns`: records whose prompt was spliced, and records held until their predecessor finished.
+    num_spliced_turns: int = 0
+    num_held_turns: int = 0
 
     @property
     def device_hit_rate(self) -> float:
@@ -169,6 +179,8 @@ class ReplayResult:
             "ttft_ms_p99": self.ttft_ms_p99,
             "tpot_ms_p50": self.tpot_ms_p50,
             "makespan_s": self.makespan_s,
+            "spliced_turns": self.num_spliced_turns,
+            "held_turns": self.num_held_turns,
             "num_steps": self.num_steps,
             "peak_usage": self.peak_usage,
             "wall_s": self.wall_s,
@@ -342,14 +354,26 @@ def replay(
     clock_s = 0.0
     peak_usage = stats_before.usage
     start_ns = time.perf_counter_ns()
+    splicer = TurnSplicer(records) if config.splice_turns else None
+
+    def start(index: int, predecessor: int | None) -> None:
+        """Queue `records[index]`, whose trace index is its sampling seed (request_index); the queue
+        tells the manager its prompt."""
+        nonlocal num_prompt_tokens
+        record = records[index]
+        prompt = expander.prompt_token_ids(record)
+        if splicer is not None:
+            prompt = splicer.started(index, prompt, predecessor)
+        num_prompt_tokens += len(prompt)
+        scheduler.add(f"replay-{index}", prompt, expander.output_length(record), Sampling(seed=index))
+
     while True:
-        # Every released record waits in the scheduler's queue, which tells the manager its prompt.
         while num_added < len(records) and released_s[num_added] <= clock_s:
-            record = records[num_added]
-            request_id = f"replay-{num_added}"  # its trace index (request_index) is its sampling seed
-            prompt = expander.prompt_token_ids(record)
-            num_prompt_tokens += len(prompt)
-            scheduler.add(request_id, prompt, expander.output_length(record), Sampling(seed=num_added))
+            found = splicer.predecessor(num_added) if splicer is not None else None
+            if found is not None and found[1]:
+                splicer.hold(num_added, found[0])  # its user is still reading the running predecessor's output
+            else:
+                start(num_added, found[0] if found is not None else None)
             num_added += 1
         if not scheduler.has_work:
             if num_added == len(records):
@@ -383,6 +407,10 @@ def replay(
             if request.num_output_tokens > 1:
                 tpot_s.append((clock_s - first_token_s[seed]) / (request.num_output_tokens - 1))
             num_output_tokens += request.num_output_tokens
+            if splicer is not None:
+                for held in splicer.finished(seed, request.token_ids):
+                    released_s[held] = clock_s
+                    start(held, seed)
             scheduler.discard(request.request_id)  # drop its tokens: the request is done
         num_completed += len(finished)
         usage = manager.stats().usage
@@ -427,6 +455,8 @@ def replay(
         ttft_ms_p99=percentile(ttft_s, 99) * 1e3,
         tpot_ms_p50=percentile(tpot_s, 50) * 1e3,
         **tier_counts,
+        num_spliced_turns=splicer.num_spliced if splicer is not None else 0,
+        num_held_turns=splicer.num_held if splicer is not None else 0,
     )
 
 

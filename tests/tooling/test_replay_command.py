@@ -76,3 +76,16 @@ def test_bad_values_name_the_flag(capsys: pytest.CaptureFixture[str], flag: str,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and message in err
+
+
+def test_spliced_turns_of_a_generated_conversation_trace_are_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "conversations.jsonl"
+    assert main(["conversations", "--requests", "60", "--seed", "0", "--output", str(trace)]) == 0
+    path = tmp_path / "spliced.json"
+    args = ["replay", "--trace", str(trace), "--requests", "60", "--scale", "0.03125", "--num-blocks", "4000"]
+    assert main([*args, "--splice-turns", "--report-json", str(path)]) == 0
+    out, report = capsys.readouterr().out, json.loads(path.read_text())
+    assert report["splice_turns"] is True and report["spliced_turns"] > 0 and report["num_completed"] == 60
+    assert "spliced turns" in out and "held turns" in out
