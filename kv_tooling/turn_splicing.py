@@ -11,11 +11,18 @@ hits, as on a real engine.
 Which record continues which. The conversation rule (conversations.py) keeps
 a turn's *full* 512-token blocks' ids at the start of the next turn's ids.
 So record B continues record A when B's ids start with A's full-block ids,
-and B's prompt has room for A's prompt and output (in trace tokens). The
+B's prompt has room for A's prompt and output (in trace tokens), and A is a
+turn: its full blocks include one that no earlier record had, or it
+continues a turn itself. A prefix that many conversations share (a system
+prompt) is no conversation's turn, with one exception the format cannot
+tell apart: the first record to bring a shared prefix, when all its full
+blocks lie inside it (a short first message after a long system prompt),
+is taken for a turn, and the next conversation on that prefix with room
+for it continues it. The
 latest such A with the longest ids is taken, and each A is continued at most
 once. The rule is meant for multi-turn traces: on a trace whose unrelated
 requests share long prefixes (the Mooncake trace), a request that extends
-another's prompt by more than its output is taken for its next turn.
+another's new content by more than its output is taken for its next turn.
 
 Time. A user sends the next turn after reading the previous one's output:
 a record whose predecessor is still running is held, and released when that
@@ -41,43 +48,55 @@ def full_block_ids(record: TraceRecord) -> Key:
 class TurnSplicer:
     """Finds each record's predecessor, holds a record until its predecessor finishes, and splices prompts.
 
-    A record goes through `predecessor` once, when the trace releases it;
-    `started` once, when it enters the scheduler; `finished` once, with its
-    prompt and output tokens.
+    A record goes through `predecessor` once, when the trace releases it, in
+    trace order; `hold` or not; `started` once, when it enters the scheduler;
+    `finished` once, with its prompt and output tokens.
     """
 
     def __init__(self, records: Sequence[TraceRecord]) -> None:
         self.records = records
-        self._running: dict[Key, int] = {}  # full-block ids of a started, unfinished record -> its index
+        # Full-block ids of a released, unfinished record (started, or held) -> its index.
+        self._in_flight: dict[Key, int] = {}
         self._finished: dict[Key, tuple[int, array]] = {}  # of a finished record no turn continued yet
-        self._held: dict[int, list[int]] = {}  # index of a running record -> the records waiting for it
+        self._held: dict[int, list[int]] = {}  # index of a record in flight -> the records waiting for it
         self.num_spliced = 0  # records whose prompt was spliced
         self.num_held = 0  # records released only when their predecessor finished
         self.num_unfitting = 0  # records whose predecessor's tokens did not fit their prompt
+        self._seen_ids: set[int] = set()  # every id of the records released so far
+        # Records a next turn may continue: those whose full blocks brought a new id, and the turns after them.
+        self._turns: set[int] = set()
 
     def predecessor(self, index: int) -> tuple[int, bool] | None:
-        """The record that `records[index]` continues, among those started, and whether it still runs."""
+        """The record that `records[index]` continues, among those released, and whether it is still in
+        flight (running, waiting, or held for its own predecessor)."""
         record = self.records[index]
         ids = record.hash_ids
+        found = None
         for length in range(len(ids), 0, -1):
             key = ids[:length]
-            if (candidate := self._running.get(key)) is not None and self._continues(record, candidate):
-                return candidate, True
+            if (candidate := self._in_flight.get(key)) is not None and self._continues(record, candidate):
+                found = candidate, True
+                break
             if (entry := self._finished.get(key)) is not None and self._continues(record, entry[0]):
-                return entry[0], False
-        return None
+                found = entry[0], False
+                break
+        seen = self._seen_ids
+        if found is not None or any(hash_id not in seen for hash_id in full_block_ids(record)):
+            self._turns.add(index)
+        seen.update(ids)
+        return found
 
     def hold(self, index: int, predecessor: int) -> None:
-        """Release `index` only when the running `predecessor` finishes (`finished` returns it then)."""
+        """Release `index` only when `predecessor`, in flight, finishes (`finished` returns it then). A turn
+        that arrives meanwhile and continues `index` waits for `index` in turn."""
         self._held.setdefault(predecessor, []).append(index)
+        self._mark_in_flight(index)
         self.num_held += 1
 
     def started(self, index: int, expanded: list[int], predecessor: int | None) -> list[int]:
         """The prompt `records[index]` runs with: `expanded` (its tokens from its ids), spliced after the
         tokens of its finished `predecessor` if any, which no other record continues after it."""
-        key = full_block_ids(self.records[index])
-        if key:
-            self._running[key] = index
+        self._mark_in_flight(index)
         if predecessor is None:
             return expanded
         entry = self._finished.pop(full_block_ids(self.records[predecessor]), None)
@@ -93,11 +112,16 @@ class TurnSplicer:
     def finished(self, index: int, tokens: Sequence[int]) -> list[int]:
         """Record that `records[index]` finished with `tokens` (prompt and output); the records held for it."""
         key = full_block_ids(self.records[index])
-        if self._running.get(key) == index:
-            del self._running[key]
-        if key:
+        if self._in_flight.get(key) == index:
+            del self._in_flight[key]
+        if index in self._turns:
+            self._turns.discard(index)
             self._finished[key] = (index, array("i", tokens))
         return self._held.pop(index, [])
+
+    def _mark_in_flight(self, index: int) -> None:
+        if index in self._turns:
+            self._in_flight[full_block_ids(self.records[index])] = index
 
     def _continues(self, record: TraceRecord, earlier: int) -> bool:
         """Whether `record`'s prompt has room for the prompt and output of `records[earlier]`."""

@@ -62,3 +62,25 @@ def test_a_turn_is_continued_once() -> None:
     result = run([FIRST, next_turn(1_000_000), next_turn(2_000_000, new_ids=(20, 21))], splice=True)
     assert result.num_spliced_turns == 1
     assert result.num_prefix_hit_tokens == A_CACHED_TOKENS + 64  # the third finds A's prompt blocks only
+
+
+def test_a_prefix_that_others_brought_first_is_no_turn_and_a_turn_without_a_new_block_still_is() -> None:
+    opener = TraceRecord(0, 3000, 256, (0, 1, 2, 3, 4, 5))  # brings every id: a turn
+    # Its full blocks 0-3 were all brought by `opener`, and it continues nothing: no turn, so `later`, which
+    # has room for it, does not continue it (nor `opener`, whose block 4 it lacks).
+    short = TraceRecord(500_000, 2100, 1, (0, 1, 2, 3, 8))
+    later = TraceRecord(1_000_000, 3072, 256, (0, 1, 2, 3, 9, 10))
+    assert run([opener, short, later], splice=True).num_spliced_turns == 0
+    # A next turn that adds no full block has its predecessor's full-block ids; it is a turn all the same,
+    # and the turn after it continues it.
+    second = next_turn(1_000_000, new_ids=(10,), input_length=2400)
+    third = next_turn(2_000_000, new_ids=(20, 21))
+    assert run([FIRST, second, third], splice=True).num_spliced_turns == 2
+
+
+def test_turns_that_arrive_while_the_first_runs_wait_in_order() -> None:
+    # The second waits for the first; the third, arriving while the second is held, waits for the second.
+    second = next_turn(10)
+    third = TraceRecord(20, 4096, 256, (*second.hash_ids, 20, 21))
+    result = run([FIRST, second, third], splice=True)
+    assert (result.num_spliced_turns, result.num_held_turns) == (2, 2)
