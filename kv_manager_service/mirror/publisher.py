@@ -122,6 +122,9 @@ class EntryPublisher:
         except redis.RedisError:
             self._unsure.update(changed)  # part of the batch may have landed: the resync must clean these too
             raise
+        except Exception:
+            self._needs_sweep = True  # the counts moved past writes never made: only a sweep finds those keys
+            raise
 
     def _write_changes(self, events: Sequence[KVEvent], writes: HashWrites, changed: list[BlockKey]) -> None:
         """Add to `writes` the entries that `events` (no clear among them) change, and name them in `changed`."""

@@ -345,6 +345,20 @@ def test_a_republication_streams_pages_and_one_failed_part_way_is_swept_clean(re
         client.close()
 
 
+def test_a_batch_the_publisher_refuses_leaves_the_next_republication_to_sweep(redis_server):
+    client = redis_server.client()
+    publisher = EntryPublisher(client, SCHEMA, REPLICA, str(INCARNATION))
+    try:
+        publisher.republish(Counter({(0, h(1)): 1}), None)  # a replica without a host tier
+        with pytest.raises(ValueError, match="host-tier event from a replica whose snapshot had no host tier"):
+            publisher.apply([BlockRemoved(0, (h(1),)), BlockStored(0, (h(2),), None, 0, Tier.HOST)])
+        assert entries(redis_server) == {SCHEMA.block(0, h(1)): DEVICE_ENTRY}  # the removal was never written
+        publisher.republish(Counter(), None)
+        assert entries(redis_server) == {}
+    finally:
+        client.close()
+
+
 def test_duplicate_hashes_are_counted_and_a_clear_then_store_in_one_batch_is_exact(redis_server, rig):
     writer, pool, _ = rig()
     wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
