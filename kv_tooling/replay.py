@@ -371,7 +371,7 @@ def replay(
         while num_added < len(records) and released_s[num_added] <= clock_s:
             found = splicer.predecessor(num_added) if splicer is not None else None
             if found is not None and found[1]:
-                splicer.hold(num_added, found[0])  # its user is still reading the running predecessor's output
+                splicer.hold(num_added, found[0])  # its user has not read the predecessor's output yet
             else:
                 start(num_added, found[0] if found is not None else None)
             num_added += 1

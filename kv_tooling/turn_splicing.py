@@ -18,16 +18,18 @@ prompt) is no conversation's turn, with one exception the format cannot
 tell apart: the first record to bring a shared prefix, when all its full
 blocks lie inside it (a short first message after a long system prompt),
 is taken for a turn, and the next conversation on that prefix with room
-for it continues it. The
-latest such A with the longest ids is taken, and each A is continued at most
-once. The rule is meant for multi-turn traces: on a trace whose unrelated
-requests share long prefixes (the Mooncake trace), a request that extends
-another's new content by more than its output is taken for its next turn.
+for it continues it. The latest such A with the longest ids is taken, and
+each A is continued at most once. The rule is meant for multi-turn traces:
+on a trace whose unrelated requests share long prefixes (the Mooncake
+trace), a request that extends another's new content by more than its
+output is taken for its next turn.
 
 Time. A user sends the next turn after reading the previous one's output:
-a record whose predecessor is still running is held, and released when that
-predecessor finishes (its TTFT counts from then). A record whose spliced
-prefix would not fit its own prompt length keeps its expanded tokens.
+a record whose predecessor is still in flight (waiting, running, or held
+itself) is held, and released when that predecessor finishes (its TTFT
+counts from then). A record whose spliced prefix would not fit its own
+prompt length (possible when `--scale` rounds lengths) keeps its expanded
+tokens.
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ class TurnSplicer:
         self._held: dict[int, list[int]] = {}  # index of a record in flight -> the records waiting for it
         self.num_spliced = 0  # records whose prompt was spliced
         self.num_held = 0  # records released only when their predecessor finished
-        self.num_unfitting = 0  # records whose predecessor's tokens did not fit their prompt
         self._seen_ids: set[int] = set()  # every id of the records released so far
         # Records a next turn may continue: those whose full blocks brought a new id, and the turns after them.
         self._turns: set[int] = set()
@@ -104,7 +105,6 @@ class TurnSplicer:
             return expanded
         tokens = entry[1]
         if len(tokens) > len(expanded):
-            self.num_unfitting += 1
             return expanded
         self.num_spliced += 1
         return [*tokens, *expanded[len(tokens) :]]
@@ -116,12 +116,14 @@ class TurnSplicer:
             del self._in_flight[key]
         if index in self._turns:
             self._turns.discard(index)
-            self._finished[key] = (index, array("i", tokens))
+            if key:
+                self._finished[key] = (index, array("i", tokens))
         return self._held.pop(index, [])
 
     def _mark_in_flight(self, index: int) -> None:
-        if index in self._turns:
-            self._in_flight[full_block_ids(self.records[index])] = index
+        key = full_block_ids(self.records[index])
+        if key and index in self._turns:
+            self._in_flight[key] = index
 
     def _continues(self, record: TraceRecord, earlier: int) -> bool:
         """Whether `record`'s prompt has room for the prompt and output of `records[earlier]`."""
