@@ -556,6 +556,30 @@ def test_a_killed_writer_process_is_replaced_and_the_entries_it_published_are_sw
     wait_converged(mirror_redis, pool, writer)
 
 
+def test_a_writer_process_killed_with_a_host_tier_is_replaced_and_both_tiers_come_out_exact(
+    mirror_redis, process_writer
+):
+    """The host keys cross to the child as the compact copy; the host evictions and offloads logged while
+    no process runs are written by the next child, whose sweep also drops the evicted keys."""
+    pool = TieredPool(host={h(i) for i in range(30, 40)})
+    pool.store(h(1), h(2))
+    writer = process_writer(pool)
+    wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
+    dead_pid = writer.publisher.pid
+    os.kill(dead_pid, signal.SIGKILL)
+    wait_until(lambda: exited(dead_pid), bool, CONVERGE_S, "the writer process to die")
+    with pool.lock:
+        pool.host -= {h(30), h(31)}
+        pool.host.add(h(2))  # offloaded: its device copy still carries it
+        pool.host.add(h(40))
+        pool._log(BlockRemoved(0, (h(30), h(31)), Tier.HOST))
+        pool._log(BlockStored(0, (h(2), h(40)), None, 0, Tier.HOST))
+    expected = {SCHEMA.block(0, h(i)): DEVICE_ENTRY for i in (1, 2)}
+    expected |= {SCHEMA.block(0, h(i)): HOST_ENTRY for i in (*range(32, 41),)}
+    wait_until(lambda: entries(mirror_redis), lambda found: found == expected, CONVERGE_S, "both tiers, exactly")
+    assert writer.publisher.num_starts == 2 and writer.publisher.pid != dead_pid
+
+
 def test_a_stopped_writer_stops_its_process(mirror_redis, process_writer):
     writer = process_writer(StandInPool())
     wait_until(lambda: writer.metrics.num_resyncs, lambda n: n >= 1, CONVERGE_S, "the first publication")
