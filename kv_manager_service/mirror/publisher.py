@@ -231,19 +231,11 @@ class EntryPublisher:
         keys = self.client.scan_iter(match=self.schema.block_pattern(), count=SWEEP_PAGE_KEYS)
         for page in pages(keys, SWEEP_PAGE_KEYS):
             replies = execute(self.client, page, holds_field.pack_each(page))
-            stale = [key for key, has_field in zip(page, replies) if has_field and not self._holds(key, held)]
+            stale = []
+            for key, has_field in zip(page, replies):
+                if has_field:
+                    block_key = self.schema.parse_block(key)
+                    if block_key is None or not held(block_key):
+                        stale.append(key)
             writes.hdel_each(stale, self.replica_id)
 
-    def _holds(self, redis_key: bytes, held: Callable[[BlockKey], bool]) -> bool:
-        """Whether `redis_key` is the block key (KeySchema.block) of a `held` (group, hash)."""
-        head, _, hex_hash = redis_key.rpartition(b":")
-        group = head.rpartition(b":")[2]
-        if not group.isdigit():
-            return False
-        group_id = int(group)
-        if redis_key != self._key_prefix(group_id) + hex_hash:  # another namespace's, or not hex
-            return False
-        try:
-            return held((group_id, bytes.fromhex(hex_hash.decode("ascii"))))
-        except ValueError:
-            return False

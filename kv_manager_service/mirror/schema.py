@@ -320,6 +320,21 @@ class KeySchema:
         """The key of a block entry: a prefix per group (`block_prefix`), then the hash in hex."""
         return f"{self.namespace}:block:{group_id}:{block_hash.hex()}"
 
+    def parse_block(self, key: bytes) -> BlockKey | None:
+        """The (group id, block hash) whose `block` key is `key`; None for a key of another namespace or
+        another form."""
+        head, _, hex_hash = key.rpartition(b":")
+        group = head.rpartition(b":")[2]
+        if not group.isdigit():
+            return None
+        group_id = int(group)
+        if key != self.block_prefix(group_id) + hex_hash:
+            return None
+        try:
+            return group_id, bytes.fromhex(hex_hash.decode("ascii"))
+        except ValueError:  # not hex
+            return None
+
     def block_prefix(self, group_id: int) -> bytes:
         """`block(group_id, h)` less the hash, encoded: the writer and the lookup append each hash's hex to it."""
         return self.block(group_id, b"").encode()

@@ -302,3 +302,13 @@ def test_a_mirror_thread_that_dies_is_named_logged_and_reported(redis_server, ca
             writer.client.close()
     assert deaths == [("mirror-heartbeat", ThreadKilled)] and writer.dead_thread == "mirror-heartbeat"
     assert any("thread mirror-heartbeat died" in r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL)
+
+
+def test_a_block_key_parses_back_and_anything_else_is_refused():
+    schema = KeySchema("ns:with:colons", "sha256_cbor")
+    block_hash = bytes(range(32))
+    assert schema.parse_block(schema.block(3, block_hash).encode()) == (3, block_hash)
+    other = KeySchema("ns", "sha256_cbor")
+    for key in (other.block(3, block_hash), "ns:with:colons:block:x:00", "ns:with:colons:block:3:zz",
+                "ns:with:colons:block:3:abc", "ns:with:colons:lease:r"):  # fmt: skip
+        assert schema.parse_block(key.encode()) is None, key
