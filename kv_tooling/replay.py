@@ -417,6 +417,8 @@ def replay(
         peak_usage = max(peak_usage, usage)
         if progress is not None and num_steps % config.progress_every_steps == 0:
             num_waiting = len(scheduler.waiting) + len(records) - num_added
+            if splicer is not None:
+                num_waiting += splicer.num_holding  # released, waiting for their previous turn
             progress(ReplayProgress(num_steps, num_completed, len(scheduler.running), num_waiting, usage, clock_s))
     scheduler.flush()
 

@@ -94,6 +94,11 @@ class TurnSplicer:
         self._mark_in_flight(index)
         self.num_held += 1
 
+    @property
+    def num_holding(self) -> int:
+        """Records held now, waiting for their predecessor."""
+        return sum(map(len, self._held.values()))
+
     def started(self, index: int, expanded: list[int], predecessor: int | None) -> list[int]:
         """The prompt `records[index]` runs with: `expanded` (its tokens from its ids), spliced after the
         tokens of its finished `predecessor` if any, which no other record continues after it."""

@@ -23,10 +23,13 @@ def next_turn(timestamp_ms: int, new_ids: tuple[int, ...] = (10, 11), input_leng
     return TraceRecord(timestamp_ms, input_length, 256, (*FIRST.hash_ids, *new_ids))
 
 
-def run(records: list[TraceRecord], splice: bool) -> ReplayResult:
+def run(records: list[TraceRecord], splice: bool, progress=None) -> ReplayResult:
     manager = KVCacheManager(KVCacheConfig(4000, groups=(GroupSpec(GroupKind.FULL_ATTENTION, 4),)))
-    config = ReplayConfig(token_budget=256, max_num_running=16, arrivals="trace", cost_model=ROUND, splice_turns=splice)
-    result = replay(manager, records, TokenExpander(scale=SCALE), config)
+    config = ReplayConfig(
+        token_budget=256, max_num_running=16, progress_every_steps=1, arrivals="trace", cost_model=ROUND,
+        splice_turns=splice,
+    )
+    result = replay(manager, records, TokenExpander(scale=SCALE), config, progress)
     assert result.num_completed == len(records) and not manager.requests
     return result
 
@@ -82,5 +85,7 @@ def test_turns_that_arrive_while_the_first_runs_wait_in_order() -> None:
     # The second waits for the first; the third, arriving while the second is held, waits for the second.
     second = next_turn(10)
     third = TraceRecord(20, 4096, 256, (*second.hash_ids, 20, 21))
-    result = run([FIRST, second, third], splice=True)
+    waiting = []
+    result = run([FIRST, second, third], splice=True, progress=lambda p: waiting.append(p.num_waiting))
     assert (result.num_spliced_turns, result.num_held_turns) == (2, 2)
+    assert waiting[:8] == [2] * 8  # while the first runs its 8 steps, the other two wait, released or held
